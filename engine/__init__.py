@@ -1,0 +1,1 @@
+"""Single-GPU MoE inference engine: models, expert store/cache/prefetch, speculative decoding."""

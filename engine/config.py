@@ -1,0 +1,50 @@
+"""Runtime settings of the engine (fixed at start-up; the model's own shape is in models/config.py)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+         "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def parse_budget(text: str) -> float | int:
+    """'3GiB' -> bytes (int); '0.25' or '25%' -> fraction of all expert bytes (float in (0, 1]).
+
+    Plain numbers above 1 are bytes.
+    """
+    s = text.strip()
+    if s.endswith("%"):
+        frac = float(s[:-1]) / 100
+        if not 0 < frac <= 1:
+            raise ValueError(f"expert budget {text!r}: a percentage must be in (0, 100]")
+        return frac
+    m = _SIZE.match(s)
+    if not m:
+        raise ValueError(f"expert budget {text!r}: expected e.g. 3GiB, 512MB, 25% or 0.25")
+    value, unit = float(m.group(1)), (m.group(2) or "").lower().rstrip("b")
+    if unit == "" and value <= 1 and "." in m.group(1):
+        return value
+    return int(value * _UNIT[unit])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    device: str = "cpu"
+    dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu
+    gpu_expert_budget: str | None = None  # None: all experts resident
+    cache_policy: str = "lru"  # lru | lfu | mrs
+    prefetch: str = "none"  # none | next-layer
+    prefetch_depth: int = 1  # layers ahead the next-layer predictor looks
+    max_model_len: int = 2048
+    record_routing: str | None = None
+    spec: str = "off"  # off | self | draft
+    draft: str | None = None
+    spec_tokens: int = 4
+    spec_top_r: int = 1
+    spec_confidence: float = 0.0
+    spec_cutoff: int | None = None
+    spec_adaptive_accept: float | None = None  # SS-MoE tolerance T: lossy, opt-in only
+    trust_remote_code: bool = False

@@ -1,0 +1,1 @@
+"""Where routed experts live and move: pinned CPU store -> PCIe copies -> GPU cache slots."""

@@ -1,0 +1,92 @@
+"""The only types that cross the server <-> engine process boundary.
+
+Small picklable dataclasses: the engine never sees HTTP, JSON or pydantic; the server never
+sees tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()  # EOS and friends; stop *strings* are matched by the server
+    logprobs: int | None = None  # None = off, else number of top alternatives per token (0..20)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens of one request since its previous RequestOutput."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    prompt_tokens: int = 0
+    first_token_seconds: float | None = None  # TTFT, set on the first output of a request
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    settings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    message: str
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Cumulative engine-side counters; the server turns them into Prometheus series."""
+
+    cache_hits_per_layer: tuple[int, ...]
+    cache_misses_per_layer: tuple[int, ...]
+    resident_experts: int
+    pcie_bytes_demand: int
+    pcie_bytes_prefetch: int
+    pcie_wait_seconds: float
+    prefetch_used: int
+    prefetch_wasted: int
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    cpu_expert_computations: int
+    num_running: int
+    num_waiting: int
+    tpot_samples: tuple[float, ...] = ()  # per-token times observed since the last snapshot
