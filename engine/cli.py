@@ -1,0 +1,112 @@
+"""moe-generate: run one prompt through the engine from the command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.messages import GenerateRequest, SamplingParams
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by moe-generate and moe-serve (the server imports this)."""
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="local HF checkpoint directory")
+    parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--gpu-expert-budget", default=None,
+                        help="expert cache size: bytes (3GiB, 512MB) or a fraction of all expert bytes (25%%, 0.25)")
+    parser.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "mrs"])
+    parser.add_argument("--prefetch", default="none", choices=["none", "next-layer"])
+    parser.add_argument("--prefetch-depth", type=int, default=1, help="layers ahead the next-layer predictor looks")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--record-routing", default=None, metavar="FILE", help="write routing decisions as JSONL")
+    parser.add_argument("--spec", default="off", choices=["off", "self", "draft"])
+    parser.add_argument("--draft", default=None, help="dense draft checkpoint for --spec draft")
+    parser.add_argument("--spec-tokens", type=int, default=4, help="max draft tokens per verify (gamma)")
+    parser.add_argument("--spec-top-r", type=int, default=1, help="experts per layer the self-draft uses")
+    parser.add_argument("--spec-confidence", type=float, default=0.0, help="stop drafting below this max-prob")
+    parser.add_argument("--spec-cutoff", type=int, default=None, help="SP-MoE cutoff layer (default: profiled)")
+    parser.add_argument("--trust-remote-code", action="store_true")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return EngineConfig(
+        model=args.model, device=device, dtype=args.dtype, gpu_expert_budget=args.gpu_expert_budget,
+        cache_policy=args.cache_policy, prefetch=args.prefetch, prefetch_depth=args.prefetch_depth,
+        max_model_len=args.max_model_len, record_routing=args.record_routing, spec=args.spec, draft=args.draft,
+        spec_tokens=args.spec_tokens, spec_top_r=args.spec_top_r, spec_confidence=args.spec_confidence,
+        spec_cutoff=args.spec_cutoff, trust_remote_code=args.trust_remote_code,
+    )
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="moe-generate", description=__doc__)
+    add_engine_arguments(parser)
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the model directory)")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object with token_ids, text and stats")
+    return parser.parse_args(argv)
+
+
+def _load_tokenizer(model_dir: str, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    if not (Path(model_dir) / "tokenizer.json").exists() and not (Path(model_dir) / "tokenizer_config.json").exists():
+        return None
+    return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    tokenizer = _load_tokenizer(args.model, args.trust_remote_code)
+    if args.prompt is not None:
+        if tokenizer is None:
+            sys.exit(f"moe-generate: {args.model} has no tokenizer files; pass --prompt-ids instead of --prompt")
+        prompt_ids = tokenizer.encode(args.prompt)
+    else:
+        prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    stop_ids = () if tokenizer is None or tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop_token_ids=stop_ids)
+    core = EngineCore(engine_config_from_args(args))
+    try:
+        core.add_request(GenerateRequest("cli", tuple(prompt_ids), params))
+        token_ids: list[int] = []
+        ttft = None
+        while core.has_unfinished():
+            for out in core.step():
+                if out.error:
+                    sys.exit(f"moe-generate: {out.error}")
+                token_ids.extend(out.new_token_ids)
+                ttft = out.first_token_seconds if ttft is None else ttft
+        stats = core.runtime.generation_stats(ttft_seconds=ttft)
+    finally:
+        core.close()
+    text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+    if args.json:
+        result = {"token_ids": token_ids, "stats": stats}
+        if text is not None:
+            result["text"] = text
+        print(json.dumps(result))
+    else:
+        print(text if text is not None else " ".join(map(str, token_ids)))
+        print(json.dumps(stats), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

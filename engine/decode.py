@@ -1,0 +1,64 @@
+"""Plain autoregressive decoding of one sequence: feed what the KV cache lacks, sample one token."""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.messages import TokenLogprob
+from engine.sampling import apply_penalties, draw, target_distribution, token_logprob
+from engine.sequence import Sequence
+
+
+class BoundModel:
+    """A model bound to one KV cache: forward() continues from wherever the cache ends."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device,
+                 on_forward: Callable[[int], None] | None = None) -> None:
+        self.model, self.kv, self.device = model, kv, device
+        self.on_forward = on_forward  # told the start position of each forward (routing traces)
+
+    def forward(self, ids: list[int], **model_kwargs) -> torch.Tensor:
+        """Run ids at positions kv.length.. and return fp32 logits [T, V] on the CPU."""
+        start = self.kv.length
+        if self.on_forward is not None:
+            self.on_forward(start)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        return self.model(input_ids, start, self.kv, **model_kwargs).float().cpu()
+
+    def reset(self) -> None:
+        self.kv.reset()
+
+
+def choose_token(seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+    """Sample (or argmax) the next token of seq from one position's logits [V]."""
+    logits = apply_penalties(logits, seq.params, seq.output_counts)
+    probs = target_distribution(logits, seq.params)
+    token = int(probs.argmax()) if seq.params.temperature == 0 else draw(probs, seq.generator)
+    logprob = None if seq.params.logprobs is None else token_logprob(logits, token, seq.params.logprobs)
+    return token, logprob
+
+
+class Decoder(Protocol):
+    def step(self, seq: Sequence, max_model_len: int) -> None:
+        """Append at least one token to seq (stopping early once it finishes)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget the previous sequence (new request)."""
+        ...
+
+
+class PlainDecoder:
+    def __init__(self, target: BoundModel) -> None:
+        self.target = target
+
+    def step(self, seq: Sequence, max_model_len: int) -> None:
+        pending = seq.all_ids[self.target.kv.length :]  # prompt on the first step, else the last token
+        logits = self.target.forward(pending)[-1]  # [V]
+        token, logprob = choose_token(seq, logits)
+        seq.append(token, logprob, max_model_len)
+
+    def reset(self) -> None:
+        self.target.reset()

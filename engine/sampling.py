@@ -1,0 +1,70 @@
+"""Turning one position's logits into a token: penalties, temperature, top-k, top-p, seeded draws.
+
+Everything here runs on the CPU in fp32 on a single [V] row: the row has to reach the host
+anyway to be emitted, and drawing on the CPU with a per-request torch.Generator makes a
+seed give the same tokens on any device and under any concurrency.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from engine.messages import SamplingParams, TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_counts: Counter[int]) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over the tokens generated so far. logits [V]."""
+    if not output_counts or (params.presence_penalty == 0 and params.frequency_penalty == 0):
+        return logits
+    ids = torch.tensor(list(output_counts.keys()), dtype=torch.long)
+    counts = torch.tensor(list(output_counts.values()), dtype=logits.dtype)
+    out = logits.clone()
+    out[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return out
+
+
+def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from: temperature, then top-k, then top-p. [V] -> [V].
+
+    Speculative sampling compares draft and target through this same function, so both sides
+    are truncated identically. Temperature 0 gives a one-hot argmax.
+    """
+    if params.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(torch.float32)
+    scaled = logits.float() / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs /= probs.sum()
+    return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """Log-probability of the chosen token under the model (before sampling transforms)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        values, ids = torch.topk(logp, top)
+        alternatives = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id=token, logprob=float(logp[token]), top=alternatives)
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
