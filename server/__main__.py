@@ -1,0 +1,4 @@
+"""`python -m server` is `moe-serve`."""
+from server.cli import main
+
+raise SystemExit(main())
