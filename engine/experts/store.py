@@ -1,0 +1,69 @@
+"""Every routed expert of the model in ONE host allocation [num_moe_layers, num_experts, layout.numel].
+
+Pinned when the compute device is CUDA, so a row copies to its GPU slot at full PCIe speed and
+asynchronously; plain memory otherwise (pinning needs a CUDA driver).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.experts.layout import ExpertLayout
+
+
+class ExpertStore:
+    def __init__(self, num_layers: int, num_experts: int, layout: ExpertLayout, *, pin: bool = False) -> None:
+        self.layout = layout
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.rows = torch.empty(
+            (num_layers, num_experts, layout.numel), dtype=layout.dtype, pin_memory=pin
+        )  # [L_moe, E, 3*I*H]
+
+    @classmethod
+    def for_device(cls, num_layers: int, num_experts: int, layout: ExpertLayout, device: torch.device | str) -> ExpertStore:
+        pin = torch.device(device).type == "cuda" and torch.cuda.is_available()
+        return cls(num_layers, num_experts, layout, pin=pin)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel() * self.rows.element_size()
+
+    @property
+    def is_pinned(self) -> bool:
+        return self.rows.is_pinned()
+
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        """The packed weights of one expert, [layout.numel] (a view into the store)."""
+        return self.rows[layer, expert]
+
+    def put(
+        self,
+        layer: int,
+        expert: int,
+        *,
+        gate: torch.Tensor | None = None,
+        up: torch.Tensor | None = None,
+        down: torch.Tensor | None = None,
+    ) -> None:
+        """Write any of one expert's HF-shaped weights (gate/up [I, H], down [H, I]); the loader streams them one by one."""
+        row = self.row(layer, expert)
+        i = self.layout.intermediate_size
+        gate_up = self.layout.gate_up(row)  # [2I, H]
+        for dst, src in ((gate_up[:i], gate), (gate_up[i:], up), (self.layout.down(row), down)):
+            if src is not None:
+                _copy_checked(dst, src)
+
+    def put_fused(self, layer: int, *, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
+        """Write all experts of a layer from transformers 5's fused 3-D tensors: gate_up [E, 2I, H], down [E, H, I]."""
+        h, i = self.layout.hidden_size, self.layout.intermediate_size
+        rows = self.rows[layer]  # [E, 3*I*H]
+        if gate_up is not None:
+            _copy_checked(rows[:, : 2 * i * h].view(self.num_experts, 2 * i, h), gate_up)
+        if down is not None:
+            _copy_checked(rows[:, 2 * i * h :].view(self.num_experts, h, i), down)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"expert weight has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,53 @@
+"""Preallocated key/value cache for ONE sequence.
+
+Positions [0, length) are valid. Speculative decoding rolls back by `truncate`: the stale entries
+past `length` are simply overwritten by the next forward, so rollback costs nothing.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # the models package imports this module
+    from engine.models.config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self, num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, *, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
+        shape = (num_layers, max_len, num_kv_heads, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, max_len, n_kv, D]
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # [L, max_len, n_kv, D]
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, max_len: int, *, device: torch.device | str, dtype: torch.dtype) -> KVCache:
+        return cls(config.num_layers, max_len, config.num_kv_heads, config.head_dim, device=device, dtype=dtype)
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, n_kv, D] at positions start.. and return all keys/values up to them, [start+T, n_kv, D]."""
+        end = start + k.shape[0]
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: positions up to {end} but max_len is {self.max_len}")
+        self.keys[layer, start:end] = k
+        self.values[layer, start:end] = v
+        return self.keys[layer, :end], self.values[layer, :end]
+
+    def truncate(self, length: int) -> None:
+        """Forget every position >= length (speculative rollback)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate({length}) outside [0, {self.length}]")
+        self.length = length
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,139 @@
+"""Tiny random HF checkpoints of every supported family, built with transformers' own classes.
+
+    from tests.tiny_checkpoints import MOE_FAMILIES, build_tiny_checkpoint, tiny_hf_model, AllResidentRunner
+    path = build_tiny_checkpoint("mixtral", tmp_path / "mixtral")              # per-expert tensors, as HF saves
+    path = build_tiny_checkpoint("mixtral", tmp_path / "fused", fused_experts=True)  # transformers-5 fused 3-D
+    loaded = load_model(path, runner_factory=AllResidentRunner.factory, progress=False)
+
+Each family exercises some quirk (GQA, tied embeddings, biases, qk-norm, shared experts, sparse
+step / mlp_only_layers, sliding windows, scaled rope). Weights are perturbed so that every norm and
+bias matters, and routers are scaled so routing probabilities are far from uniform (top-k is then
+stable under float noise). The same (family, seed) always gives the same weights.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from engine.experts.compute import accumulate_experts
+from engine.experts.routing import LayerRouting
+from engine.experts.store import ExpertStore
+from engine.models.config import ModelConfig
+
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+_BASE: dict[str, Any] = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_hidden_layers=3,
+    intermediate_size=96,
+    max_position_embeddings=256,
+    initializer_range=0.08,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+# family -> (transformers config class name, overrides of _BASE)
+_FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=16),
+    )),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=6)),
+    "qwen2": ("Qwen2Config", dict(
+        tie_word_embeddings=True, use_sliding_window=True, sliding_window=5, max_window_layers=1,
+        rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0),
+    )),
+    "qwen3": ("Qwen3Config", dict(
+        head_dim=24, max_position_embeddings=128,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32),
+    )),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=6, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, shared_expert_intermediate_size=48,
+        mlp_only_layers=[1], norm_topk_prob=False,
+    )),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        num_hidden_layers=4, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
+        decoder_sparse_step=2, norm_topk_prob=True, tie_word_embeddings=True,
+    )),
+    "olmoe": ("OlmoeConfig", dict(
+        num_key_value_heads=4, intermediate_size=32, num_experts=8, num_experts_per_tok=3, clip_qkv=3.0,
+    )),
+}
+
+
+def tiny_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """The transformers model (fp32, eager attention, eval mode) a tiny checkpoint is saved from."""
+    import transformers
+
+    if family not in _FAMILY_CONFIGS:
+        raise ValueError(f"unknown family {family!r}; known: {sorted(_FAMILY_CONFIGS)}")
+    config_class, overrides = _FAMILY_CONFIGS[family]
+    config = getattr(transformers, config_class)(**{**_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    _perturb(model, config.hidden_size, seed)
+    return model.eval()
+
+
+def _perturb(model: torch.nn.Module, hidden: int, seed: int) -> None:
+    """Make every norm weight and bias non-trivial and routers decisive."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight") and p.shape[0] > 1:  # a router [E, H]
+                p.copy_(2.0 / math.sqrt(hidden) * torch.randn(p.shape, generator=gen))
+
+
+def build_tiny_checkpoint(family: str, path: str | Path, *, fused_experts: bool = False, seed: int = 0) -> Path:
+    """Write config.json + model.safetensors of a tiny `family` model to path (created); return path.
+
+    fused_experts=True writes the transformers-5 in-memory layout (mlp.experts.gate_up_proj
+    [E, 2I, H] and down_proj [E, H, I]) instead of the per-expert tensors save_pretrained writes.
+    """
+    path = Path(path)
+    model = tiny_hf_model(family, seed)
+    if not fused_experts:
+        model.save_pretrained(path)
+        return path
+    if family not in MOE_FAMILIES:
+        raise ValueError(f"{family} is dense: it has no experts to fuse")
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]  # save_pretrained of the model would set it
+    model.config.save_pretrained(path)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        del tensors["lm_head.weight"]  # safetensors refuses shared storage; save_pretrained drops it too
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+class AllResidentRunner:
+    """TEST-ONLY ExpertRunner: every expert computed straight from its ExpertStore row, no cache."""
+
+    def __init__(self, store: ExpertStore) -> None:
+        self.store = store
+
+    @classmethod
+    def factory(cls, store: ExpertStore, config: ModelConfig) -> AllResidentRunner:
+        return cls(store)
+
+    def run(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
+        out = torch.zeros_like(x)  # [T, H]
+        rows = {e: self.store.row(routing.layer, e) for e in routing.expert_ids.unique().tolist()}
+        accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, self.store.layout)
+        return out
