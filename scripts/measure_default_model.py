@@ -1,0 +1,204 @@
+"""Measure the default target/draft pair on held-out stdlib files; prints one JSON object.
+
+Figures (all with transformers' own classes, fp32, CPU by default):
+  perplexity            per-token, over non-overlapping held-out windows, draft and target;
+  expert_load           per layer: share of top-k picks per expert, entropy vs log(E);
+  temporal_locality     per layer: mean |S_t ∩ S_t+1| / k over adjacent tokens of a window;
+  next_layer_gate       per layer l: layer l+1's norm + router applied to the residual entering
+                        layer l's MoE, scored against layer l+1's true top-k (|pred ∩ true| / k);
+  draft_to_target_gate  per layer l (SP-MoE Fig. 7): the draft's residual after attention at
+                        layer l, through the target's post_attention_layernorm + router at l,
+                        scored against the target's true top-k; with the residuals' cosine;
+  acceptance            greedy speculative decoding simulated on held-out prompts, gamma tokens a
+                        round: accepted draft tokens / drafted tokens, for the SS-MoE self-draft
+                        (the target on the top-1 of its top-k experts, renormalised) and for the
+                        external dense draft.
+
+  python scripts/measure_default_model.py [--out models/default/measurements.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stdlib_corpus as corpus  # noqa: E402
+from train_default_model import CORPUS_PATH, DRAFT_DIR, TARGET_DIR, ResidualTap, TokenStream, tokenize  # noqa: E402
+
+
+def overlap(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+    """|pred ∩ true| / k per row; pred, true: [N, k] expert ids."""
+    return (pred.unsqueeze(-1) == true.unsqueeze(-2)).any(-1).float().mean(-1)  # [N]
+
+
+def route(layer: torch.nn.Module, residual: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k experts that `layer`'s norm + router pick for a residual stream [N, H]."""
+    logits = F.linear(layer.post_attention_layernorm(residual), layer.mlp.gate.weight)  # [N, E]
+    return logits.topk(k, dim=-1).indices  # [N, k]
+
+
+@dataclass
+class RoutingStats:
+    num_layers: int
+    num_experts: int
+    top_k: int
+    load: torch.Tensor = field(init=False)  # [L, E] top-k picks
+    sums: dict[str, torch.Tensor] = field(init=False)  # per-layer sums of per-token scores
+    counts: dict[str, torch.Tensor] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.load = torch.zeros(self.num_layers, self.num_experts)
+        self.sums, self.counts = {}, {}
+
+    def add(self, name: str, layer: int, scores: torch.Tensor) -> None:
+        self.sums.setdefault(name, torch.zeros(self.num_layers))[layer] += scores.sum().item()
+        self.counts.setdefault(name, torch.zeros(self.num_layers))[layer] += scores.numel()
+
+    def mean(self, name: str, layers: range) -> list[float]:
+        return [round((self.sums[name][l] / self.counts[name][l]).item(), 4) for l in layers]
+
+    def load_report(self) -> list[dict]:
+        share = self.load / self.load.sum(-1, keepdim=True)  # [L, E]
+        entropy = -(share * share.clamp_min(1e-12).log()).sum(-1)  # [L]
+        return [{"layer": l, "share": [round(x, 4) for x in share[l].tolist()],
+                 "entropy": round(entropy[l].item(), 4), "log_E": round(math.log(self.num_experts), 4)}
+                for l in range(self.num_layers)]
+
+
+@torch.no_grad()
+def measure_windows(target: PreTrainedModel, draft: PreTrainedModel, windows: torch.Tensor,
+                    batch_size: int) -> tuple[dict, RoutingStats]:
+    cfg = target.config
+    k, n_layers = cfg.num_experts_per_tok, cfg.num_hidden_layers
+    stats = RoutingStats(n_layers, cfg.num_experts, k)
+    nll = {"target": 0.0, "draft": 0.0}
+    t_tap, d_tap = ResidualTap(target), ResidualTap(draft)
+    layers = target.model.layers
+    for batch in windows.split(batch_size):  # [B, T]
+        b, t = batch.shape
+        t_out = target(input_ids=batch, labels=batch, output_router_logits=True)
+        d_out = draft(input_ids=batch, labels=batch)
+        nll["target"] += t_out.loss.item() * b * (t - 1)
+        nll["draft"] += d_out.loss.item() * b * (t - 1)
+        true = [logits.topk(k, dim=-1).indices for logits in t_out.router_logits]  # L x [B*T, k]
+        for l in range(n_layers):
+            stats.load[l] += torch.bincount(true[l].flatten(), minlength=cfg.num_experts).float()
+            pairs = true[l].view(b, t, k)
+            stats.add("temporal_locality", l, overlap(pairs[:, 1:].reshape(-1, k), pairs[:, :-1].reshape(-1, k)))
+            d_res = d_tap.residuals[l].reshape(b * t, -1)  # [B*T, H]
+            t_res = t_tap.residuals[l].reshape(b * t, -1)
+            stats.add("draft_to_target_gate", l, overlap(route(layers[l], d_res, k), true[l]))
+            stats.add("residual_cosine", l, torch.cosine_similarity(d_res, t_res, dim=-1))
+            if l + 1 < n_layers:
+                stats.add("next_layer_gate", l, overlap(route(layers[l + 1], t_res, k), true[l + 1]))
+    t_tap.close()
+    d_tap.close()
+    tokens = windows.shape[0] * (windows.shape[1] - 1)
+    ppl = {name: round(math.exp(total / tokens), 4) for name, total in nll.items()}
+    return {"perplexity": ppl, "scored_tokens": tokens}, stats
+
+
+def self_drafter(target: PreTrainedModel) -> PreTrainedModel:
+    """SS-MoE's drafter: the target itself on the top-1 of its top-k experts; with
+    norm_topk_prob the single weight renormalises to 1."""
+    drafter = copy.deepcopy(target)
+    for layer in drafter.model.layers:
+        layer.mlp.gate.top_k = 1
+    return drafter
+
+
+def greedy(model: PreTrainedModel, prefix: torch.Tensor, n: int) -> torch.Tensor:
+    out = model.generate(prefix.unsqueeze(0), max_new_tokens=n, do_sample=False)
+    return out[0, prefix.numel():]
+
+
+@torch.no_grad()
+def acceptance(target: PreTrainedModel, drafter: PreTrainedModel, prompts: torch.Tensor,
+               new_tokens: int, gamma: int) -> dict:
+    """Greedy speculative decoding accepts exactly the longest prefix of the draft that matches
+    the target's own greedy continuation, plus one target token; simulated on that continuation."""
+    drafted = accepted = rounds = emitted = 0
+    for prompt in prompts:  # [P]
+        reference = greedy(target, prompt, new_tokens)  # [n <= new_tokens]
+        pos = 0
+        while pos < reference.numel():
+            n = min(gamma, reference.numel() - pos)
+            proposal = greedy(drafter, torch.cat([prompt, reference[:pos]]), n)
+            match = (proposal == reference[pos:pos + proposal.numel()]).int()
+            run = int(match.cumprod(0).sum())
+            drafted += proposal.numel()
+            accepted += run
+            rounds += 1
+            pos += run + 1
+        emitted += reference.numel()
+    return {"acceptance_rate": round(accepted / drafted, 4), "gamma": gamma,
+            "tokens_per_target_pass": round(emitted / rounds, 3), "rounds": rounds}
+
+
+def heldout_stream(tok, corpus_path: Path) -> tuple[torch.Tensor, str]:
+    if corpus_path.exists():
+        docs, source = corpus.read_corpus(corpus_path), str(corpus_path)
+    else:
+        docs, source = corpus.collect_stdlib(corpus.stdlib_root()), f"stdlib of Python {platform.python_version()}"
+    _, heldout = corpus.split(docs)
+    return tokenize(heldout, tok, lambda d: d.text), source
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=str(TARGET_DIR))
+    parser.add_argument("--draft", default=str(DRAFT_DIR))
+    parser.add_argument("--corpus", default=str(CORPUS_PATH), help="falls back to this Python's stdlib")
+    parser.add_argument("--windows", type=int, default=96, help="held-out windows of --seq-len tokens")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    ids, source = heldout_stream(tok, Path(args.corpus))
+    stream = TokenStream(ids, args.seed)
+    report, stats = measure_windows(target, draft, stream.windows(args.windows, args.seq_len), args.batch_size)
+    prompts = stream.batch(args.prompts, args.prompt_len)  # [P, prompt_len], seeded offsets
+    n_layers = target.config.num_hidden_layers
+    report |= {
+        "heldout_source": source,
+        "expert_load": stats.load_report(),
+        "temporal_locality": stats.mean("temporal_locality", range(n_layers)),
+        "temporal_locality_chance": round(target.config.num_experts_per_tok / target.config.num_experts, 4),
+        "next_layer_gate": stats.mean("next_layer_gate", range(n_layers - 1)),
+        "draft_to_target_gate": stats.mean("draft_to_target_gate", range(n_layers)),
+        "draft_target_residual_cosine": stats.mean("residual_cosine", range(n_layers)),
+        "acceptance": {
+            "ss_moe_top1_self_draft": acceptance(target, self_drafter(target), prompts, args.new_tokens, args.gamma),
+            "external_dense_draft": acceptance(target, draft, prompts, args.new_tokens, args.gamma),
+        },
+        "settings": vars(args),
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

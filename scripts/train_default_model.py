@@ -1,0 +1,443 @@
+"""Train the embedded default model pair: a dense Qwen3 draft and a Qwen3-MoE target.
+
+Three phases, one seed:
+  1. draft:   a dense Qwen3ForCausalLM trained from scratch on the stdlib corpus;
+  2. target:  a Qwen3MoeForCausalLM upcycled from the draft (attention, norms and embeddings
+              copied, every expert a noisy copy of the draft's MLP, router small-random), then
+              trained with the load-balancing loss; the copied parts learn 10x slower so the
+              draft's residual stream keeps predicting the target's routes (SP-MoE);
+  3. distill: the draft takes the target's updated shared parts back and is distilled towards
+              the target (logits KL plus cosine distance of every post-attention residual), so
+              it agrees with the target's greedy tokens and routes, while staying a small dense
+              model with a worse perplexity.
+
+  prepare (here, CPU, once):  python scripts/train_default_model.py prepare
+  train (the GPU):            python scripts/train_default_model.py train --out DIR
+  end-to-end CPU check:       python scripts/train_default_model.py train --smoke --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedTokenizerBase,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stdlib_corpus as corpus  # noqa: E402  (a sibling script, not a package)
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_DIR = REPO / "models" / "default"
+DRAFT_DIR = REPO / "models" / "default-draft"
+WORK_DIR = REPO / ".out" / "default-model"  # ignored by git; carried to the GPU machine
+CORPUS_PATH = WORK_DIR / f"stdlib-{platform.python_version()}.jsonl.xz"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+MAX_SHARD_SIZE = "15MB"  # the GPU machine returns files of at most 16 MiB
+
+
+@dataclass(frozen=True)
+class Shape:
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    num_layers: int = 6
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 256  # the draft's MLP and each expert: upcycling copies one into the other
+    num_experts: int = 8
+    top_k: int = 2
+    max_len: int = 1024
+
+
+SMOKE_SHAPE = Shape(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+                    intermediate_size=64, max_len=128)
+
+
+@dataclass(frozen=True)
+class Phase:
+    steps: int
+    lr: float
+    warmup: int
+    batch_size: int
+    seq_len: int
+    budget_s: float  # wall-clock cap: a phase cut short still leaves time for the next ones
+
+
+@dataclass(frozen=True)
+class Recipe:
+    seed: int = 1234
+    shared_lr_scale: float = 0.1  # attention/norms/embeddings of the target, and of the draft in phase 3
+    router_aux_loss_coef: float = 0.01
+    upcycle_noise: float = 0.01  # relative std of the noise that breaks the experts' symmetry
+    router_init_std: float = 0.02
+    kd_weight: float = 1.0  # phase 3 loss = CE + kd_weight * KL + hidden_weight * (1 - cos)
+    hidden_weight: float = 1.0
+    weight_decay: float = 0.1
+    experts_implementation: str = "grouped_mm"
+
+
+# ---------------------------------------------------------------- configs and upcycling
+
+
+def _special_ids(tok: PreTrainedTokenizerBase) -> dict[str, int]:
+    return {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": None}
+
+
+def _common_config(shape: Shape, tok: PreTrainedTokenizerBase) -> dict:
+    return dict(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_len, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **_special_ids(tok),
+    )
+
+
+def draft_config(shape: Shape, tok: PreTrainedTokenizerBase) -> Qwen3Config:
+    return Qwen3Config(intermediate_size=shape.intermediate_size, **_common_config(shape, tok))
+
+
+def target_config(shape: Shape, tok: PreTrainedTokenizerBase, recipe: Recipe) -> Qwen3MoeConfig:
+    config = Qwen3MoeConfig(
+        intermediate_size=shape.intermediate_size, moe_intermediate_size=shape.intermediate_size,
+        num_experts=shape.num_experts, num_experts_per_tok=shape.top_k, norm_topk_prob=True,
+        router_aux_loss_coef=recipe.router_aux_loss_coef, decoder_sparse_step=1,
+        **_common_config(shape, tok),
+    )
+    config._experts_implementation = recipe.experts_implementation
+    return config
+
+
+@torch.no_grad()
+def upcycle(draft: Qwen3ForCausalLM, config: Qwen3MoeConfig, recipe: Recipe,
+            gen: torch.Generator) -> Qwen3MoeForCausalLM:
+    """The target starts as the draft: with noise 0 its logits equal the draft's, because
+    every expert is the draft's MLP and the renormalised top-k weights sum to one."""
+    target = Qwen3MoeForCausalLM(config).to(draft.device)
+    missing, unexpected = target.load_state_dict(draft.state_dict(), strict=False)
+    if any(".mlp." not in k for k in missing + unexpected):
+        raise RuntimeError(f"draft and target differ outside the MLP: {missing} {unexpected}")
+    for d_layer, t_layer in zip(draft.model.layers, target.model.layers):
+        gate_up = torch.cat([d_layer.mlp.gate_proj.weight, d_layer.mlp.up_proj.weight])  # [2I, H]
+        down = d_layer.mlp.down_proj.weight  # [H, I]
+        experts = t_layer.mlp.experts
+        experts.gate_up_proj.copy_(_noisy_copies(gate_up, experts.gate_up_proj.shape[0], recipe, gen))
+        experts.down_proj.copy_(_noisy_copies(down, experts.down_proj.shape[0], recipe, gen))
+        router = t_layer.mlp.gate.weight  # [E, H]
+        router.copy_(torch.randn(router.shape, generator=gen) * recipe.router_init_std)
+    return target
+
+
+def _noisy_copies(w: torch.Tensor, n: int, recipe: Recipe, gen: torch.Generator) -> torch.Tensor:
+    noise = torch.randn((n, *w.shape), generator=gen).to(w.device)  # [E, *w.shape]
+    return w.unsqueeze(0) + noise * (recipe.upcycle_noise * w.std())
+
+
+def copy_shared_parts(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Embeddings, attention and norms: every tensor outside the MLP/MoE blocks."""
+    shared = {k: v for k, v in src.state_dict().items() if ".mlp." not in k}
+    missing, unexpected = dst.load_state_dict(shared, strict=False)
+    if unexpected or any(".mlp." not in k for k in missing):
+        raise RuntimeError(f"shared parts do not match: {missing} {unexpected}")
+
+
+def is_shared_param(name: str) -> bool:
+    return ".mlp." not in name
+
+
+# ---------------------------------------------------------------- data
+
+
+class TokenStream:
+    """Training files (or held-out files) as one token stream, cut at random offsets."""
+
+    def __init__(self, ids: torch.Tensor, seed: int):
+        self.ids = ids  # [N] int64, on the training device
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def batch(self, batch_size: int, seq_len: int) -> torch.Tensor:
+        starts = torch.randint(0, len(self.ids) - seq_len, (batch_size,), generator=self.gen)
+        idx = starts.unsqueeze(1) + torch.arange(seq_len)  # [B, T]
+        return self.ids[idx.to(self.ids.device)]
+
+    def windows(self, n: int, seq_len: int) -> torch.Tensor:
+        """The first n (or as many as fit) non-overlapping windows: a fixed evaluation set."""
+        n = min(n, len(self.ids) // seq_len)
+        return self.ids[: n * seq_len].view(n, seq_len)
+
+
+def tokenize(docs: list[corpus.Document], tok: PreTrainedTokenizerBase,
+             text_of: Callable[[corpus.Document], str]) -> torch.Tensor:
+    ids: list[int] = []
+    for row in tok([text_of(d) for d in docs], add_special_tokens=False)["input_ids"]:
+        ids.extend(row)
+        ids.append(tok.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)  # [N]
+
+
+# ---------------------------------------------------------------- training
+
+
+class ResidualTap:
+    """Records each layer's residual stream after attention: the input of
+    post_attention_layernorm, i.e. what a MoE router sees before that norm."""
+
+    def __init__(self, model: torch.nn.Module):
+        layers = model.model.layers
+        self.residuals: list[torch.Tensor | None] = [None] * len(layers)
+        self._handles = [layer.post_attention_layernorm.register_forward_pre_hook(partial(self._store, i))
+                         for i, layer in enumerate(layers)]
+
+    def _store(self, layer: int, module: torch.nn.Module, args: tuple) -> None:
+        self.residuals[layer] = args[0]
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def lr_at(step: int, phase: Phase) -> float:
+    """Linear warm-up, then cosine down to a tenth of the peak."""
+    if step < phase.warmup:
+        return phase.lr * (step + 1) / phase.warmup
+    progress = (step - phase.warmup) / max(1, phase.steps - phase.warmup)
+    return phase.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def make_optimizer(model: torch.nn.Module, recipe: Recipe, shared_scale: float) -> torch.optim.AdamW:
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault((is_shared_param(name), p.ndim >= 2), []).append(p)
+    param_groups = [
+        {"params": ps, "lr_scale": shared_scale if shared else 1.0,
+         "weight_decay": recipe.weight_decay if matrix else 0.0}
+        for (shared, matrix), ps in groups.items()
+    ]
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(param_groups, betas=(0.9, 0.95), fused=fused)
+
+
+LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+
+
+def run_phase(name: str, model: torch.nn.Module, loss_fn: LossFn, opt: torch.optim.Optimizer,
+              phase: Phase, stream: TokenStream, log: list[dict]) -> dict:
+    model.train()
+    start = time.monotonic()
+    step = 0
+    for step in range(phase.steps):
+        if time.monotonic() - start > phase.budget_s:
+            break
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, phase) * group["lr_scale"]
+        batch = stream.batch(phase.batch_size, phase.seq_len)  # [B, T]
+        with autocast(batch.device):
+            loss, parts = loss_fn(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == phase.steps - 1:
+            row = {"phase": name, "step": step, "s": round(time.monotonic() - start, 1),
+                   "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}}
+            log.append(row)
+            print(json.dumps(row), flush=True)
+    elapsed = time.monotonic() - start
+    return {"steps_done": step + 1, "steps_planned": phase.steps, "seconds": round(elapsed, 1),
+            "tokens": (step + 1) * phase.batch_size * phase.seq_len}
+
+
+def autocast(device: torch.device) -> torch.autocast:
+    # bf16 on the GPU; CPU smoke runs stay in fp32, where bf16 autocast only costs time
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    out = model(input_ids=batch, labels=batch)
+    return out.loss, {}
+
+
+def moe_loss(model: Qwen3MoeForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    out = model(input_ids=batch, labels=batch, output_router_logits=True)
+    # out.loss already holds router_aux_loss_coef * aux_loss
+    return out.loss, {"aux": out.aux_loss.item()}
+
+
+def distill_loss(draft: Qwen3ForCausalLM, target: Qwen3MoeForCausalLM, draft_tap: ResidualTap,
+                 target_tap: ResidualTap, recipe: Recipe,
+                 batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    with torch.no_grad():
+        t_logits = target(input_ids=batch).logits.float()  # [B, T, V]
+    out = draft(input_ids=batch, labels=batch)
+    kl = F.kl_div(F.log_softmax(out.logits.float(), -1), F.log_softmax(t_logits, -1),
+                  log_target=True, reduction="none").sum(-1).mean()
+    cos = torch.stack([F.cosine_similarity(d.float(), t.float(), dim=-1).mean()
+                       for d, t in zip(draft_tap.residuals, target_tap.residuals)])  # [L]
+    hidden = (1 - cos).mean()
+    loss = out.loss + recipe.kd_weight * kl + recipe.hidden_weight * hidden
+    return loss, {"ce": out.loss.item(), "kl": kl.item(), "cos_min": cos.min().item()}
+
+
+@torch.no_grad()
+def heldout_loss(model: torch.nn.Module, windows: torch.Tensor, batch_size: int) -> float:
+    model.eval()
+    losses = []
+    for chunk in windows.split(batch_size):
+        with autocast(chunk.device):
+            losses.append(model(input_ids=chunk, labels=chunk).loss.float())
+    return torch.stack(losses).mean().item()
+
+
+# ---------------------------------------------------------------- saving
+
+
+def save_model(model: torch.nn.Module, tok: PreTrainedTokenizerBase, out_dir: Path) -> None:
+    model = model.to(torch.bfloat16)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(corpus.IM_END)],
+        pad_token_id=tok.pad_token_id, bos_token_id=None, do_sample=False,
+    )
+    model.save_pretrained(out_dir, max_shard_size=MAX_SHARD_SIZE)
+    tok.save_pretrained(out_dir)  # a complete HF directory; the repo keeps its committed copy
+
+
+def pack_for_transfer(out: Path, dirs: list[Path], part_bytes: int = 15 * 2**20) -> None:
+    """The GPU machine returns at most 8 flat-ish files under 16 MiB: one tar, split in parts."""
+    tar = out / "models.tar"
+    subprocess.run(["tar", "-cf", str(tar), "-C", str(out), *[d.name for d in dirs]], check=True)
+    subprocess.run(["split", "-b", str(part_bytes), "-d", str(tar), str(out / "models.tar.part")], check=True)
+    tar.unlink()
+    for d in dirs:
+        shutil.rmtree(d)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def prepare(vocab_size: int, max_len: int) -> None:
+    """Corpus file (carried to the GPU, not committed) and tokenizer (committed, both dirs)."""
+    docs = corpus.collect_stdlib(corpus.stdlib_root())
+    corpus.write_corpus(docs, CORPUS_PATH)
+    train_docs, heldout_docs = corpus.split(docs)
+    tok = corpus.train_tokenizer(train_docs, vocab_size, max_len)
+    for d in (TARGET_DIR, DRAFT_DIR):
+        tok.save_pretrained(d)
+    print(json.dumps({"corpus": str(CORPUS_PATH), "files": len(docs), "train_files": len(train_docs),
+                      "heldout_files": len(heldout_docs), "vocab_size": len(tok)}))
+
+
+def phases(args: argparse.Namespace, seq_len: int, deadline_s: float) -> tuple[Phase, Phase, Phase]:
+    """Wall-clock shares 35/45/20 of the deadline, so a slow machine still gets all three models."""
+    common = dict(batch_size=args.batch_size, seq_len=seq_len)
+    return (
+        Phase(args.draft_steps, 2e-3, min(200, args.draft_steps // 10 + 1), budget_s=0.35 * deadline_s, **common),
+        Phase(args.target_steps, 1e-3, min(100, args.target_steps // 10 + 1), budget_s=0.45 * deadline_s, **common),
+        Phase(args.distill_steps, 1e-3, min(100, args.distill_steps // 10 + 1), budget_s=0.20 * deadline_s, **common),
+    )
+
+
+def train(args: argparse.Namespace) -> None:
+    t0 = time.monotonic()
+    recipe = replace(Recipe(), experts_implementation=args.experts_implementation)
+    shape = SMOKE_SHAPE if args.smoke else Shape()
+    torch.manual_seed(recipe.seed)
+    gen = torch.Generator().manual_seed(recipe.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    tok = AutoTokenizer.from_pretrained(TARGET_DIR)
+    train_docs, heldout_docs = corpus.split(corpus.read_corpus(Path(args.corpus)))
+    if args.smoke:
+        train_docs, heldout_docs = train_docs[:40], heldout_docs[:5]
+    train_ids = tokenize(train_docs, tok, corpus.training_text).to(device)
+    heldout_ids = tokenize(heldout_docs, tok, lambda d: d.text).to(device)
+    stream = TokenStream(train_ids, recipe.seed)
+    seq_len = args.seq_len or shape.max_len
+    eval_windows = TokenStream(heldout_ids, recipe.seed).windows(args.eval_windows, seq_len)
+    print(json.dumps({"device": str(device), "torch": torch.__version__, "train_tokens": len(train_ids),
+                      "heldout_tokens": len(heldout_ids), "shape": asdict(shape)}), flush=True)
+
+    draft_phase, target_phase, distill_phase = phases(args, seq_len, args.deadline_s - (time.monotonic() - t0))
+    log: list[dict] = []
+    report: dict = {"recipe": asdict(recipe), "shape": asdict(shape), "args": vars(args)}
+
+    draft = Qwen3ForCausalLM(draft_config(shape, tok)).to(device)
+    report["draft_phase"] = run_phase("draft", draft, partial(lm_loss, draft),
+                                      make_optimizer(draft, recipe, 1.0), draft_phase, stream, log)
+    report["draft_heldout_loss_after_pretraining"] = heldout_loss(draft, eval_windows, args.batch_size)
+
+    target = upcycle(draft, target_config(shape, tok, recipe), recipe, gen)
+    report["target_heldout_loss_at_upcycling"] = heldout_loss(target, eval_windows, args.batch_size)
+    report["target_phase"] = run_phase("target", target, partial(moe_loss, target),
+                                       make_optimizer(target, recipe, recipe.shared_lr_scale),
+                                       target_phase, stream, log)
+    report["target_heldout_loss"] = heldout_loss(target, eval_windows, args.batch_size)
+
+    copy_shared_parts(target, draft)
+    target.eval().requires_grad_(False)
+    taps = ResidualTap(draft), ResidualTap(target)
+    report["distill_phase"] = run_phase("distill", draft, partial(distill_loss, draft, target, *taps, recipe),
+                                        make_optimizer(draft, recipe, recipe.shared_lr_scale),
+                                        distill_phase, stream, log)
+    for tap in taps:
+        tap.close()
+    report["draft_heldout_loss"] = heldout_loss(draft, eval_windows, args.batch_size)
+
+    out = Path(args.out)
+    save_model(target, tok, out / "default")
+    save_model(draft, tok, out / "default-draft")
+    report["log"] = log
+    report["total_seconds"] = round(time.monotonic() - t0, 1)
+    (out / "train_report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: v for k, v in report.items() if k != "log"}), flush=True)
+    if args.pack:
+        pack_for_transfer(out, [out / "default", out / "default-draft"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    prep = sub.add_parser("prepare", help="build the corpus file and train the tokenizer (CPU)")
+    prep.add_argument("--vocab-size", type=int, default=Shape.vocab_size)
+    tr = sub.add_parser("train", help="train draft, upcycled target, distilled draft")
+    tr.add_argument("--out", required=True)
+    tr.add_argument("--corpus", default=str(CORPUS_PATH))
+    tr.add_argument("--smoke", action="store_true", help="tiny shapes and data: an end-to-end check on CPU")
+    tr.add_argument("--draft-steps", type=int, default=2000)
+    tr.add_argument("--target-steps", type=int, default=2000)
+    tr.add_argument("--distill-steps", type=int, default=800)
+    tr.add_argument("--batch-size", type=int, default=32)
+    tr.add_argument("--seq-len", type=int, help="default: the shape's max_len")
+    tr.add_argument("--eval-windows", type=int, default=64)
+    tr.add_argument("--deadline-s", type=float, default=480.0, help="wall clock for all three phases")
+    tr.add_argument("--experts-implementation", default=Recipe.experts_implementation)
+    tr.add_argument("--pack", action="store_true", help="tar and split the models for the device's file limits")
+    args = parser.parse_args()
+    if args.command == "prepare":
+        prepare(args.vocab_size, Shape.max_len)
+    else:
+        train(args)
+
+
+if __name__ == "__main__":
+    main()
