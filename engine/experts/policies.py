@@ -1,0 +1,116 @@
+"""Eviction policies of the expert cache: which resident expert leaves when a slot is needed.
+
+Plain Python, no torch: the live ExpertCache (through SlotTable) and the offline replay use the
+same objects, so a hit rate measured by replay is the hit rate the server would see.
+
+Every policy ranks candidates by a tuple and evicts the smallest; the last element of the tuple
+is the last-use stamp, so ties always fall back to LRU (temporal locality dominates MoE routing,
+see the EBCO report).
+"""
+from __future__ import annotations
+
+import heapq
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+Key = tuple[int, int]  # (moe layer, expert id)
+
+POLICY_NAMES = ("lru", "lfu", "mrs")
+
+
+class EvictionPolicy(Protocol):
+    def admit(self, key: Key) -> None:
+        """`key` became resident (demand copy or prefetch)."""
+
+    def touch(self, key: Key) -> None:
+        """Compute used `key`."""
+
+    def observe_scores(self, layer: int, scores: Sequence[float]) -> None:
+        """Router scores of one run of `layer`, one float per expert."""
+
+    def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
+        """Up to `n` of `candidates` to evict, first victim first."""
+
+
+class LRUPolicy:
+    """Least recently used: evicts the expert whose last use (or admission) is oldest."""
+
+    def __init__(self) -> None:
+        self._clock = 0
+        self._stamp: dict[Key, int] = {}
+
+    def admit(self, key: Key) -> None:
+        self._bump(key)
+
+    def touch(self, key: Key) -> None:
+        self._bump(key)
+
+    def observe_scores(self, layer: int, scores: Sequence[float]) -> None:
+        pass  # recency only
+
+    def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
+        return heapq.nsmallest(n, candidates, key=self._rank)
+
+    def _bump(self, key: Key) -> None:
+        self._clock += 1
+        self._stamp[key] = self._clock
+
+    def _rank(self, key: Key) -> tuple:
+        return (self._stamp.get(key, 0),)
+
+
+class LFUPolicy(LRUPolicy):
+    """Least frequently used over the whole run (counts survive eviction); ties -> LRU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._uses: dict[Key, int] = {}
+
+    def touch(self, key: Key) -> None:
+        self._uses[key] = self._uses.get(key, 0) + 1
+        super().touch(key)
+
+    def _rank(self, key: Key) -> tuple:
+        return (self._uses.get(key, 0), self._stamp.get(key, 0))
+
+
+class MRSPolicy(LRUPolicy):
+    """HybriMoE Minus Recent Score: S = alpha * TopP(s) + (1 - alpha) * S per layer.
+
+    s are the router scores of the layer's latest run; only its top-p entries accumulate (p is
+    twice the experts a token activates), every expert's S decays. Evicts the lowest S.
+    """
+
+    def __init__(self, top_p: int, alpha: float = 0.3) -> None:
+        if top_p < 1 or not 0 < alpha <= 1:
+            raise ValueError(f"MRS needs top_p >= 1 and alpha in (0, 1], got top_p={top_p}, alpha={alpha}")
+        super().__init__()
+        self.top_p = top_p
+        self.alpha = alpha
+        self._score: dict[int, list[float]] = {}  # layer -> S per expert
+
+    def observe_scores(self, layer: int, scores: Sequence[float]) -> None:
+        old = self._score.get(layer, [0.0] * len(scores))
+        top = set(heapq.nlargest(self.top_p, range(len(scores)), key=scores.__getitem__))
+        self._score[layer] = [
+            (self.alpha * s if e in top else 0.0) + (1 - self.alpha) * prev
+            for e, (s, prev) in enumerate(zip(scores, old))
+        ]
+
+    def score(self, key: Key) -> float:
+        layer_scores = self._score.get(key[0])
+        return layer_scores[key[1]] if layer_scores is not None else 0.0
+
+    def _rank(self, key: Key) -> tuple:
+        return (self.score(key), self._stamp.get(key, 0))
+
+
+def make_policy(name: str, top_k: int) -> EvictionPolicy:
+    """Policy by name; `top_k` (experts per token) sets MRS's p = 2 * top_k."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lfu":
+        return LFUPolicy()
+    if name == "mrs":
+        return MRSPolicy(top_p=2 * top_k)
+    raise ValueError(f"unknown cache policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")

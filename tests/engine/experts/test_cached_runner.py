@@ -1,0 +1,120 @@
+"""CachedExpertRunner: caching never changes the math; counters add up."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.experts.runner import CachedExpertRunner, layer_scores
+
+TOP_K = 2
+
+
+def _router_weights(store, seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(store.num_experts, store.layout.hidden_size, generator=gen, dtype=torch.float64)
+            for _ in range(store.num_layers)]
+
+
+def _drive(runner, store, make_routing, reference, steps: int, tokens: int, seed: int = 0) -> int:
+    """Run `steps` forwards over every layer, compare with the reference; return expert accesses."""
+    gen = torch.Generator().manual_seed(seed)
+    accesses = 0
+    for _ in range(steps):
+        for layer in range(store.num_layers):
+            x = torch.randn(tokens, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
+            routing = make_routing(layer, tokens, store.num_experts, TOP_K, gen)
+            torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
+            accesses += routing.expert_ids.unique().numel()
+        runner.finish_step()
+    return accesses
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "mrs"])
+@pytest.mark.parametrize("prefetch", ["none", "next-layer"])
+@pytest.mark.parametrize("slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
+def test_output_equals_all_experts_reference(store, make_routing, reference, policy, prefetch, slots, tokens) -> None:
+    runner = CachedExpertRunner(store, slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+                                prefetch=prefetch, prefetch_depth=2)
+    runner.set_router_weights(_router_weights(store))
+    try:
+        accesses = _drive(runner, store, make_routing, reference, steps=4, tokens=tokens)
+    finally:
+        runner.close()
+    total = runner.stats().total()
+    assert total.hits + total.misses == accesses
+    assert total.demand_bytes == total.misses * store.layout.nbytes
+    assert total.prefetch_bytes % store.layout.nbytes == 0
+    assert total.waves >= 4 * store.num_layers
+    assert total.prefetch_used + total.prefetch_wasted <= total.prefetch_bytes // store.layout.nbytes
+    assert runner.resident_experts <= slots
+    if prefetch == "none":
+        assert total.prefetch_bytes == 0 and total.predicted_needed == 0
+
+
+def test_waves_when_a_layer_needs_more_experts_than_the_cache_holds(store, make_routing, reference) -> None:
+    runner = CachedExpertRunner(store, 2 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, store.layout.hidden_size, generator=gen, dtype=torch.float64)
+    routing = make_routing(0, 8, store.num_experts, TOP_K, gen)
+    torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
+    distinct = routing.expert_ids.unique().numel()
+    layer0 = runner.stats().per_layer[0]
+    assert layer0.waves == (distinct + 1) // 2 and layer0.misses == distinct
+    assert layer0.evictions == distinct - 2
+
+
+def test_repeated_routing_hits_and_counts_wait_time(store, make_routing) -> None:
+    runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, store.layout.hidden_size, generator=gen, dtype=torch.float64)
+    routing = make_routing(1, 1, store.num_experts, TOP_K, gen)
+    runner.run(x, routing)
+    runner.run(x, routing)
+    runner.finish_step()
+    layer1 = runner.stats().per_layer[1]
+    assert (layer1.misses, layer1.hits, layer1.evictions) == (TOP_K, TOP_K, 0)
+    assert layer1.pcie_wait_seconds > 0
+
+
+def test_next_layer_prefetch_turns_misses_into_hits(store, make_routing) -> None:
+    weights = _router_weights(store)
+    runner = CachedExpertRunner(store, 6 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, prefetch="next-layer")
+    runner.set_router_weights(weights)
+    x = torch.randn(1, store.layout.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(6)
+    runner.run(x, make_routing(0, 1, store.num_experts, TOP_K, gen))
+    runner.wait_prefetch_idle()
+    # layer 1 routes exactly as its router says for this x: the predictor's guess is right
+    probs = (x @ weights[1].T).softmax(-1)  # [1, E]
+    top = probs.topk(TOP_K, dim=-1)
+    runner.run(x, type(make_routing(1, 1, store.num_experts, TOP_K, gen))(
+        layer=1, expert_ids=top.indices, expert_weights=top.values, router_probs=probs))
+    runner.close()
+    layer1 = runner.stats().per_layer[1]
+    assert (layer1.hits, layer1.misses, layer1.prefetch_used) == (TOP_K, 0, TOP_K)
+    assert (layer1.predicted_correct, layer1.predicted_needed) == (TOP_K, TOP_K)
+    assert layer1.prefetch_bytes == TOP_K * store.layout.nbytes
+
+
+def test_prefetch_without_router_weights_fails_loudly(store, make_routing) -> None:
+    runner = CachedExpertRunner(store, None, "lru", "cpu", top_k=TOP_K, prefetch="next-layer")
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(RuntimeError, match="set_router_weights"):
+        runner.run(torch.zeros(1, store.layout.hidden_size, dtype=torch.float64),
+                   make_routing(0, 1, store.num_experts, TOP_K, gen))
+    runner.close()
+
+
+def test_from_config_parses_budget_and_rejects_unknown_modes(store) -> None:
+    config = EngineConfig(model="m", gpu_expert_budget="25%", cache_policy="mrs")
+    runner = CachedExpertRunner.from_config(store, config, top_k=TOP_K)
+    assert runner.cache.capacity == store.num_layers * store.num_experts // 4
+    with pytest.raises(ValueError, match="none, next-layer"):
+        CachedExpertRunner(store, None, "lru", "cpu", top_k=TOP_K, prefetch="draft")
+
+
+def test_layer_scores_keep_each_tokens_top_p() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
+    expected = torch.tensor([0.5 + 0.0, 0.3 + 0.0, 0.0 + 0.3, 0.0 + 0.4]) / 2
+    torch.testing.assert_close(layer_scores(probs, top_p=2), expected)

@@ -1,0 +1,63 @@
+"""ExpertCache: capacity from a budget, the too-small-budget error, slots hold the store's rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.experts.cache import ExpertCache, cache_capacity
+from engine.experts.policies import LRUPolicy
+
+
+def test_capacity_from_bytes_fraction_or_all() -> None:
+    assert cache_capacity(None, total_experts=32, expert_bytes=100, top_k=2) == 32
+    assert cache_capacity(0.25, total_experts=32, expert_bytes=100, top_k=2) == 8
+    assert cache_capacity(1050, total_experts=32, expert_bytes=100, top_k=2) == 10
+    assert cache_capacity(10**9, total_experts=32, expert_bytes=100, top_k=2) == 32  # never above all experts
+
+
+def test_budget_below_top_k_experts_states_the_minimum() -> None:
+    expert_bytes = 3 * 2**28  # 0.75 GiB
+    with pytest.raises(ValueError, match=r"top_k=2 .*minimum budget is 1610612736 bytes \(1\.500 GiB\)"):
+        cache_capacity(2**30, total_experts=64, expert_bytes=expert_bytes, top_k=2)
+    with pytest.raises(ValueError, match="minimum budget is 200 bytes"):
+        cache_capacity(0.01, total_experts=64, expert_bytes=100, top_k=2)
+
+
+def test_acquired_rows_equal_store_rows_and_evictions_follow_lru(store) -> None:
+    cache = ExpertCache(store, store.layout.nbytes * 3, LRUPolicy(), "cpu", top_k=2)
+    assert cache.capacity == 3 and cache.resident_experts == 0
+    for layer, experts in ((0, [1, 2]), (1, [3]), (0, [1, 5])):
+        wave = cache.acquire(layer, experts)
+        assert not wave.leftover
+        for expert, row, ready in wave.pending:
+            cache.wait(layer, expert, ready)
+        rows = {**wave.rows, **{e: r for e, r, _ in wave.pending}}
+        assert sorted(rows) == experts
+        assert all(torch.equal(r, store.row(layer, e)) for e, r in rows.items())
+        cache.release(wave)
+    per_layer = cache.stats.snapshot().per_layer
+    # (0, 2) is the LRU expert when (0, 5) comes in; (0, 1) is a hit
+    assert (per_layer[0].hits, per_layer[0].misses, per_layer[0].evictions) == (1, 3, 1)
+    assert per_layer[0].demand_bytes == 3 * store.layout.nbytes
+    assert cache.resident_experts == 3
+
+
+def test_all_experts_budget_is_preloaded(store) -> None:
+    cache = ExpertCache(store, None, LRUPolicy(), "cpu", top_k=2)
+    wave = cache.acquire(2, list(range(store.num_experts)))
+    assert not wave.pending and all(torch.equal(r, store.row(2, e)) for e, r in wave.rows.items())
+    cache.release(wave)
+    total = cache.stats.snapshot().total()
+    assert (total.hits, total.misses, total.demand_bytes) == (store.num_experts, 0, 0)
+
+
+def test_wave_when_more_experts_than_slots(store) -> None:
+    cache = ExpertCache(store, store.layout.nbytes * 2, LRUPolicy(), "cpu", top_k=2)
+    first = cache.acquire(0, [0, 1, 2, 3, 4])
+    assert len(first.pending) == 2 and first.leftover == [2, 3, 4]
+    for expert, _, ready in first.pending:
+        cache.wait(0, expert, ready)
+    cache.release(first)
+    second = cache.acquire(0, first.leftover)
+    assert [e for e, _, _ in second.pending] == [2, 3] and second.leftover == [4]
+    cache.release(second)

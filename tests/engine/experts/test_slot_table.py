@@ -1,0 +1,85 @@
+"""SlotTable: victims only among unpinned, landed residents; a full table says so instead of waiting."""
+from __future__ import annotations
+
+import pytest
+
+from engine.experts.policies import LRUPolicy
+from engine.experts.slots import SlotTable
+
+
+def _resident(table: SlotTable, *keys: tuple[int, int]) -> None:
+    """Place keys and mark their copies landed, unpinned."""
+    placement = table.place(list(keys), pin=False, prefetched=False)
+    for key, _ in placement.placed:
+        table.complete(key)
+
+
+def test_free_slots_first_then_lru_victims() -> None:
+    table = SlotTable(2, LRUPolicy())
+    _resident(table, (0, 0), (0, 1))
+    assert sorted(table.slot_of(k) for k in ((0, 0), (0, 1))) == [0, 1]
+    placement = table.place([(1, 5)], pin=False, prefetched=False)
+    assert [e.key for e in placement.evictions] == [(0, 0)]
+    assert placement.placed == [((1, 5), placement.evictions[0].slot)]
+    assert (0, 0) not in table and len(table) == 2
+
+
+def test_never_evicts_pinned_or_in_flight() -> None:
+    table = SlotTable(3, LRUPolicy())
+    _resident(table, (0, 0), (0, 1))
+    table.place([(0, 2)], pin=False, prefetched=True)  # in flight: copy not landed
+    table.pin((0, 0))
+    placement = table.place([(1, 0), (1, 1)], pin=True, prefetched=False)
+    assert [e.key for e in placement.evictions] == [(0, 1)]
+    assert [k for k, _ in placement.placed] == [(1, 0)]
+    assert placement.unplaced == [(1, 1)]
+    assert (0, 0) in table and (0, 2) in table
+
+
+def test_full_of_pinned_places_nothing() -> None:
+    table = SlotTable(2, LRUPolicy())
+    table.place([(0, 0), (0, 1)], pin=True, prefetched=False)
+    placement = table.place([(0, 2)], pin=True, prefetched=False)
+    assert placement.placed == [] and placement.evictions == [] and placement.unplaced == [(0, 2)]
+    table.unpin((0, 0))
+    table.complete((0, 0))
+    assert [k for k, _ in table.place([(0, 2)], pin=True, prefetched=False).placed] == [(0, 2)]
+
+
+def test_plan_wave_pins_hits_and_counts_first_use_of_prefetch() -> None:
+    table = SlotTable(3, LRUPolicy())
+    _resident(table, (0, 0))
+    table.place([(0, 1)], pin=False, prefetched=True)  # prefetched, still in flight
+    plan = table.plan_wave([(0, 0), (0, 1), (0, 2)])
+    assert plan.hits == [(0, 0), (0, 1)] and plan.hits_in_flight == [(0, 1)]
+    assert plan.prefetch_used == 1
+    assert [k for k, _ in plan.misses.placed] == [(0, 2)]
+    assert all(table.is_pinned(k) for k in ((0, 0), (0, 1), (0, 2)))
+    assert table.plan_wave([]).prefetch_used == 0
+
+
+def test_evicting_an_unused_prefetch_is_counted_as_wasted() -> None:
+    table = SlotTable(1, LRUPolicy())
+    table.place([(0, 0)], pin=False, prefetched=True)
+    table.complete((0, 0))
+    placement = table.place([(0, 1)], pin=False, prefetched=False)
+    assert [(e.key, e.wasted_prefetch) for e in placement.evictions] == [((0, 0), True)]
+
+
+def test_misuse_raises() -> None:
+    table = SlotTable(2, LRUPolicy())
+    _resident(table, (0, 0))
+    with pytest.raises(ValueError, match="already resident"):
+        table.place([(0, 0)], pin=False, prefetched=False)
+    with pytest.raises(KeyError):
+        table.unpin((0, 0))
+    with pytest.raises(ValueError):
+        SlotTable(0, LRUPolicy())
+
+
+def test_drop_frees_the_slot_without_an_eviction() -> None:
+    table = SlotTable(1, LRUPolicy())
+    table.place([(0, 0)], pin=True, prefetched=False)
+    table.drop((0, 0))
+    assert len(table) == 0 and not table.is_pinned((0, 0))
+    assert table.place([(0, 1)], pin=False, prefetched=False).evictions == []
