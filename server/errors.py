@@ -50,9 +50,9 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
+def validation_error(errors: list[dict]) -> APIError:
     """The first pydantic complaint, with the offending field named as OpenAI does in `param`."""
-    first = exc.errors()[0]
+    first = errors[0]
     loc = _field_path(first.get("loc", ()))
     param = ".".join(loc) or None
     kind = first.get("type", "")
@@ -88,7 +88,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

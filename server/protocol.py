@@ -43,7 +43,7 @@ class ChatMessage(_Strict):
 StopField = str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None
 
 
-class _GenerationFields(_Strict):
+class GenerationFields(_Strict):
     """Fields shared by chat and text completions."""
 
     model: str
@@ -77,7 +77,7 @@ class _GenerationFields(_Strict):
         return self.max_tokens
 
 
-class ChatCompletionRequest(_GenerationFields):
+class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -105,7 +105,7 @@ PromptField = (
 )
 
 
-class CompletionRequest(_GenerationFields):
+class CompletionRequest(GenerationFields):
     prompt: PromptField
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 

@@ -1,0 +1,116 @@
+"""moe-serve: flags (optionally from a YAML --config), start-up log, then uvicorn."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvicorn
+import yaml
+
+from engine.cli import add_engine_arguments, engine_config_from_args
+from server.settings import ServerSettings
+
+log = logging.getLogger("moe_serve")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-serve", description="OpenAI-compatible server for MoE models.")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML of flag values (keys are flag names without '--'); command-line flags win")
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model's folder)")
+    parser.add_argument("--api-key", default=os.environ.get("MOE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $MOE_API_KEY; unset = open)")
+    parser.add_argument("--max-queue", type=_positive_int, default=64,
+                        help="engine requests in flight before new ones get 429")
+    parser.add_argument("--max-tokens-cap", type=_positive_int, default=None,
+                        help="largest max_tokens a request may ask for (default: what the context allows)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
+                        help="larger request bodies get 413")
+    parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    config_file = pre.parse_known_args(argv)[0].config
+    if config_file is not None:
+        argv = config_argv(Path(config_file), parser) + argv  # later flags override earlier ones
+    return parser.parse_args(argv)
+
+
+def config_argv(path: Path, parser: argparse.ArgumentParser) -> list[str]:
+    """A YAML mapping as the flags it stands for, so argparse checks types and choices once."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    actions = {opt[2:]: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
+    argv: list[str] = []
+    for key, value in data.items():
+        action = actions.get(str(key))
+        if action is None or key in ("config", "help"):
+            parser.error(f"--config {path}: unknown key '{key}' (keys are moe-serve flag names without '--')")
+        if value is None or value is False:
+            continue
+        if action.nargs == 0:  # a switch such as --trust-remote-code
+            if value is not True:
+                parser.error(f"--config {path}: '{key}' is a switch; use true or false")
+            argv.append(f"--{key}")
+        else:
+            argv += [f"--{key}", str(value)]
+    return argv
+
+
+def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        served_model_name=args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
+        api_key=args.api_key or None, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
+        metrics_require_key=args.metrics_require_key, max_body_bytes=args.max_body_bytes,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not Path(args.model).is_dir():
+        sys.exit(f"moe-serve: --model {args.model}: no such checkpoint directory")
+    from server.app import create_app  # after the checks: importing it pulls in transformers
+
+    engine_config = engine_config_from_args(args)
+    settings = server_settings_from_args(args)
+    log.info("server settings: %s", settings.describe())
+    log.info("engine settings: %s", dataclasses.asdict(engine_config))
+
+    def stop() -> None:
+        server.should_exit = True
+
+    app = create_app(settings, engine_config, on_fatal=stop)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                                           timeout_graceful_shutdown=5))
+    log.info("OpenAI API at http://%s:%d/v1, Prometheus metrics at http://%s:%d/metrics", settings.host,
+             settings.port, settings.host, settings.port)
+    server.run()
+    fatal = app.state.moe.engine.fatal_error
+    if fatal is not None:
+        log.error("the engine could not start: %s", fatal)
+        return 1
+    return 0

@@ -1,0 +1,123 @@
+"""Prometheus metrics of one app, in its own registry.
+
+Engine counters arrive as cumulative MetricsSnapshots through the queue and are exposed by a
+custom collector that reads the latest one (plus everything dead engine processes had counted,
+so a restart does not reset them). Latency histograms and token counts are observed here.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import fields, replace
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.messages import MetricsSnapshot
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
+_GAUGE_FIELDS = frozenset({"resident_experts", "num_running", "num_waiting", "tpot_samples"})
+
+
+def empty_snapshot() -> MetricsSnapshot:
+    return MetricsSnapshot((), (), 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def _add(a: MetricsSnapshot, b: MetricsSnapshot) -> MetricsSnapshot:
+    """a + b over the cumulative counters (per-layer tuples element-wise); b's gauges."""
+    summed = {}
+    for f in fields(MetricsSnapshot):
+        if f.name in _GAUGE_FIELDS:
+            continue
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, tuple):
+            width = max(len(x), len(y))
+            x, y = x + (0,) * (width - len(x)), y + (0,) * (width - len(y))
+            summed[f.name] = tuple(i + j for i, j in zip(x, y))
+        else:
+            summed[f.name] = x + y
+    return replace(b, **summed)
+
+
+class EngineSnapshotCollector(Collector):
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # snapshots arrive on the supervisor thread, scrapes on the loop
+        self._retired = empty_snapshot()  # what engine processes that have died had counted
+        self._latest = empty_snapshot()
+
+    def update(self, snapshot: MetricsSnapshot) -> None:
+        with self._lock:
+            self._latest = snapshot
+
+    def engine_lost(self) -> None:
+        with self._lock:
+            self._retired, self._latest = _add(self._retired, self._latest), empty_snapshot()
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            s = _add(self._retired, self._latest)
+        yield _per_layer("moe_expert_cache_hits", "Routed-expert lookups found in a GPU cache slot.",
+                         s.cache_hits_per_layer)
+        yield _per_layer("moe_expert_cache_misses", "Routed-expert lookups that needed a host-to-GPU copy.",
+                         s.cache_misses_per_layer)
+        yield GaugeMetricFamily("moe_expert_cache_resident_experts", "Experts resident in GPU cache slots.",
+                                value=s.resident_experts)
+        yield _labelled("moe_pcie_bytes", "Expert bytes copied host-to-GPU.", "kind",
+                        {"demand": s.pcie_bytes_demand, "prefetch": s.pcie_bytes_prefetch})
+        yield CounterMetricFamily("moe_pcie_wait_seconds", "Seconds compute waited on expert copies.",
+                                  value=s.pcie_wait_seconds)
+        yield _labelled("moe_prefetch_experts", "Prefetched experts by whether they were used before eviction.",
+                        "outcome", {"used": s.prefetch_used, "wasted": s.prefetch_wasted})
+        yield CounterMetricFamily("moe_spec_drafts", "Speculative draft rounds.", value=s.spec_drafts)
+        yield CounterMetricFamily("moe_spec_draft_tokens", "Tokens proposed by the draft.",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("moe_spec_accepted_tokens", "Draft tokens accepted by verification.",
+                                  value=s.spec_accepted_tokens)
+        yield CounterMetricFamily("moe_cpu_expert_computations", "Expert computations run on the CPU.",
+                                  value=s.cpu_expert_computations)
+        yield GaugeMetricFamily("moe_num_requests_running", "Engine requests being decoded.", value=s.num_running)
+        yield GaugeMetricFamily("moe_num_requests_waiting", "Engine requests queued in the engine.",
+                                value=s.num_waiting)
+
+
+def _per_layer(name: str, doc: str, values: tuple[int, ...]) -> CounterMetricFamily:
+    return _labelled(name, doc, "layer", {str(layer): v for layer, v in enumerate(values)})
+
+
+def _labelled(name: str, doc: str, label: str, values: dict[str, float]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in values.items():
+        family.add_metric([key], value)
+    return family
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.engine = EngineSnapshotCollector()
+        self.registry.register(self.engine)
+        self.tpot = Histogram("moe_time_per_output_token_seconds", "Decode time per output token (engine).",
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("moe_time_to_first_token_seconds", "Request arrival to first token, at the server.",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("moe_e2e_request_latency_seconds", "Request arrival to its last token.",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("moe_prompt_tokens", "Prompt tokens sent to the engine (n>1 counts n times).",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("moe_generation_tokens", "Tokens generated for clients.",
+                                         registry=self.registry)
+        self.requests = Counter("moe_requests", "Finished choices by finish reason.", ["finish_reason"],
+                                registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+
+    def on_snapshot(self, snapshot: MetricsSnapshot) -> None:
+        self.engine.update(snapshot)
+        for seconds in snapshot.tpot_samples:
+            self.tpot.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,74 @@
+"""POST /v1/chat/completions and /v1/completions: parse at the edge, plan, serve."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import BaseModel, ValidationError
+
+from engine.messages import EngineReady
+
+from server.errors import APIError, engine_unavailable, validation_error
+from server.prompts import chat_prompts, completion_prompts, make_plan
+from server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from server.serving import Envelope, Generation, respond_json, respond_stream
+from server.state import AppState, require_api_key
+
+log = logging.getLogger("moe_serve")
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = await require_api_key(request)
+    body = await _parse(request, ChatCompletionRequest)
+    engine = _checked(state, body)
+    prompts = chat_prompts(body, state.tokenizer)
+    fmt = ChatFormat(state.tokenizer.token_text, bool(body.logprobs))
+    return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = await require_api_key(request)
+    body = await _parse(request, CompletionRequest)
+    engine = _checked(state, body)
+    prompts = completion_prompts(body, state.tokenizer, engine.vocab_size)
+    fmt = CompletionFormat(state.tokenizer.token_text, body.logprobs is not None)
+    return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> GenerationFields:
+    """JSON whatever the Content-Type says (curl -d sends form-encoded); 400 on anything malformed."""
+    try:
+        body = model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    body.check()
+    return body
+
+
+def _checked(state: AppState, body: GenerationFields) -> EngineReady:
+    if body.model != state.settings.served_model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
+                       f"'{state.settings.served_model_name}'", param="model", code="model_not_found")
+    ready = state.engine.ready
+    if ready is None:
+        raise engine_unavailable()
+    return ready
+
+
+async def _serve(request: Request, state: AppState, body: GenerationFields, prompts: list[list[int]],
+                 fmt: ResponseFormat, logprobs: int | None, engine: EngineReady) -> Response:
+    env = Envelope.new(fmt, state.settings.served_model_name)
+    plan = make_plan(body, prompts, env.id, engine, state.tokenizer.eos_token_ids,
+                     state.settings.max_tokens_cap, logprobs)
+    log.info("%s: %d prompt tokens, %d choices%s", env.id, plan.prompt_tokens, len(plan.requests),
+             f", user {body.user!r}" if body.user else "")
+    gen = Generation(plan, state.engine, state.metrics, state.tokenizer, body.stop_strings(),
+                     state.settings.max_queue)
+    if body.stream:
+        return respond_stream(gen, env, body.include_usage())
+    return await respond_json(request, gen, env)

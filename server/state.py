@@ -1,0 +1,38 @@
+"""What the request handlers share: settings, engine client, tokenizer, metrics; API-key check."""
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from server.engine_client import EngineClient
+from server.errors import APIError
+from server.metrics import ServerMetrics
+from server.settings import ServerSettings
+from server.tokenizer import Tokenizer
+
+
+@dataclass
+class AppState:
+    settings: ServerSettings
+    engine: EngineClient
+    tokenizer: Tokenizer
+    metrics: ServerMetrics
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.moe
+
+
+async def require_api_key(request: Request) -> AppState:
+    """401 unless `Authorization: Bearer <key>` matches (constant-time) or no key is configured."""
+    state = app_state(request)
+    key = state.settings.api_key
+    if key is None:
+        return state
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+    return state
