@@ -1,4 +1,4 @@
-"""A host expert store of random weights and random routings, for the expert-side tests.
+"""An ExpertStore of random weights and random routings, for the expert-side tests.
 
 float64 weights so that "the cache never changes the math" can be checked to ~1e-12: only the
 order in which the k expert outputs of a token are summed differs from the reference.
@@ -6,7 +6,6 @@ order in which the k expert outputs of a token are summed differs from the refer
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -14,37 +13,16 @@ import torch
 from engine.experts.compute import accumulate_experts
 from engine.experts.layout import ExpertLayout
 from engine.experts.routing import LayerRouting
-
-
-@dataclass
-class HostStore:
-    """Stand-in for ExpertStore: all experts as one host tensor [L, E, numel]."""
-
-    layout: ExpertLayout
-    weights: torch.Tensor  # [L, E, numel]
-
-    @property
-    def num_layers(self) -> int:
-        return self.weights.shape[0]
-
-    @property
-    def num_experts(self) -> int:
-        return self.weights.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.weights.numel() * self.weights.element_size()
-
-    def row(self, layer: int, expert: int) -> torch.Tensor:
-        return self.weights[layer, expert]
+from engine.experts.store import ExpertStore
 
 
 def random_store(num_layers: int = 4, num_experts: int = 8, hidden: int = 16, inter: int = 8,
-                 seed: int = 0) -> HostStore:
+                 seed: int = 0) -> ExpertStore:
     layout = ExpertLayout(hidden_size=hidden, intermediate_size=inter, dtype=torch.float64)
+    store = ExpertStore(num_layers, num_experts, layout)
     gen = torch.Generator().manual_seed(seed)
-    weights = torch.randn(num_layers, num_experts, layout.numel, generator=gen, dtype=torch.float64) / hidden**0.5
-    return HostStore(layout=layout, weights=weights)
+    store.rows.copy_(torch.randn(store.rows.shape, generator=gen, dtype=torch.float64) / hidden**0.5)
+    return store
 
 
 def random_routing(layer: int, tokens: int, num_experts: int, top_k: int, gen: torch.Generator) -> LayerRouting:
@@ -55,7 +33,7 @@ def random_routing(layer: int, tokens: int, num_experts: int, top_k: int, gen: t
                         router_probs=probs)
 
 
-def reference_output(store: HostStore, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
+def reference_output(store: ExpertStore, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
     """Every expert straight from the store: what any cache configuration must reproduce."""
     rows = {e: store.row(routing.layer, e) for e in range(store.num_experts)}
     out = torch.zeros_like(x)
@@ -64,12 +42,12 @@ def reference_output(store: HostStore, x: torch.Tensor, routing: LayerRouting) -
 
 
 @pytest.fixture
-def store() -> HostStore:
+def store() -> ExpertStore:
     return random_store()
 
 
 @pytest.fixture
-def make_store() -> Callable[..., HostStore]:
+def make_store() -> Callable[..., ExpertStore]:
     return random_store
 
 
@@ -79,5 +57,5 @@ def make_routing() -> Callable[..., LayerRouting]:
 
 
 @pytest.fixture
-def reference() -> Callable[[HostStore, torch.Tensor, LayerRouting], torch.Tensor]:
+def reference() -> Callable[[ExpertStore, torch.Tensor, LayerRouting], torch.Tensor]:
     return reference_output
