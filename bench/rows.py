@@ -65,7 +65,7 @@ def time_hf_decode(name: str, model, prompts: list[list[int]], new_tokens: int, 
 
 def time_engine_decode(name: str, config, prompts: list[list[int]], new_tokens: int) -> RowResult:
     """Greedy decode through our EngineCore; stats come from the engine's own counters."""
-    from engine.core import EngineCore
+    from engine.core import EngineCore, run_to_completion
     from engine.messages import GenerateRequest, SamplingParams
 
     core = EngineCore(config)
@@ -74,12 +74,8 @@ def time_engine_decode(name: str, config, prompts: list[list[int]], new_tokens: 
     try:
         for i, prompt in enumerate([prompts[0]] + prompts):
             core.runtime.reset_stats()
-            core.add_request(GenerateRequest(f"bench-{i}", tuple(prompt), params))
-            ttft = None
-            while core.has_unfinished():
-                for out in core.step():
-                    ttft = out.first_token_seconds if ttft is None else ttft
-            s = core.runtime.generation_stats(ttft_seconds=ttft)
+            done = run_to_completion(core, GenerateRequest(f"bench-{i}", tuple(prompt), params))
+            s = core.runtime.generation_stats(ttft_seconds=done.ttft_seconds, tpot_seconds=done.tpot_seconds)
             if i > 0:
                 tpots.append(s["tpot_seconds"])
                 ttfts.append(s["ttft_seconds"])

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.core import EngineCore
+from engine.core import EngineCore, run_to_completion
 from engine.messages import GenerateRequest, SamplingParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -84,26 +84,20 @@ def main(argv: list[str] | None = None) -> int:
                             top_k=args.top_k, seed=args.seed, stop_token_ids=stop_ids)
     core = EngineCore(engine_config_from_args(args))
     try:
-        core.add_request(GenerateRequest("cli", tuple(prompt_ids), params))
-        token_ids: list[int] = []
-        ttft = None
-        while core.has_unfinished():
-            for out in core.step():
-                if out.error:
-                    sys.exit(f"moe-generate: {out.error}")
-                token_ids.extend(out.new_token_ids)
-                ttft = out.first_token_seconds if ttft is None else ttft
-        stats = core.runtime.generation_stats(ttft_seconds=ttft)
+        done = run_to_completion(core, GenerateRequest("cli", tuple(prompt_ids), params))
+        stats = core.runtime.generation_stats(ttft_seconds=done.ttft_seconds, tpot_seconds=done.tpot_seconds)
+    except RuntimeError as exc:
+        sys.exit(f"moe-generate: {exc}")
     finally:
         core.close()
-    text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+    text = tokenizer.decode(done.token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
-        result = {"token_ids": token_ids, "stats": stats}
+        result = {"token_ids": done.token_ids, "stats": stats}
         if text is not None:
             result["text"] = text
         print(json.dumps(result))
     else:
-        print(text if text is not None else " ".join(map(str, token_ids)))
+        print(text if text is not None else " ".join(map(str, done.token_ids)))
         print(json.dumps(stats), file=sys.stderr)
     return 0
 

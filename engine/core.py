@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.messages import EngineReady, GenerateRequest, MetricsSnapshot, RequestOutput
@@ -95,3 +96,31 @@ class EngineCore:
 
     def close(self) -> None:
         self.runtime.close()
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    finish_reason: str | None
+    ttft_seconds: float | None
+    tpot_seconds: float | None  # (last token time - first token time) / (tokens - 1)
+
+
+def run_to_completion(core: EngineCore, request: GenerateRequest) -> Completion:
+    """Drive one request through the engine alone (CLI, benchmarks); raises on an engine error."""
+    core.add_request(request)
+    token_ids: list[int] = []
+    ttft = first_at = last_at = None
+    finish = None
+    while core.has_unfinished():
+        for out in core.step():
+            if out.error:
+                raise RuntimeError(out.error)
+            if out.new_token_ids:
+                last_at = time.perf_counter()
+                first_at = first_at or last_at
+            ttft = out.first_token_seconds if ttft is None else ttft
+            token_ids.extend(out.new_token_ids)
+            finish = out.finish_reason or finish
+    tpot = (last_at - first_at) / (len(token_ids) - 1) if len(token_ids) > 1 else None
+    return Completion(token_ids, finish, ttft, tpot)

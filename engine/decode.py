@@ -56,7 +56,7 @@ class PlainDecoder:
 
     def step(self, seq: Sequence, max_model_len: int) -> None:
         pending = seq.all_ids[self.target.kv.length :]  # prompt on the first step, else the last token
-        logits = self.target.forward(pending)[-1]  # [V]
+        logits = self.target.forward(pending, last_only=True)[-1]  # [V]
         token, logprob = choose_token(seq, logits)
         seq.append(token, logprob, max_model_len)
 

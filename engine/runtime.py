@@ -1,0 +1,122 @@
+"""Everything one engine needs, built from an EngineConfig: model, expert store/cache, decoder.
+
+Also the one place that turns the engine's internal counters into the numbers users see
+(`moe-generate --json` stats and the server's MetricsSnapshot).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+import torch
+
+from engine.config import EngineConfig
+from engine.decode import BoundModel, Decoder, PlainDecoder
+from engine.experts.runner import CachedExpertRunner
+from engine.experts.stats import LayerStats, StatsSnapshot
+from engine.kv_cache import KVCache
+from engine.loader import load_model, resolve_dtype
+from engine.messages import MetricsSnapshot
+from engine.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def _difference(now: StatsSnapshot, before: StatsSnapshot | None) -> LayerStats:
+    total = now.total()
+    if before is None:
+        return total
+    base = before.total()
+    return LayerStats(**{f.name: getattr(total, f.name) - getattr(base, f.name) for f in fields(total)})
+
+
+@dataclass
+class Runtime:
+    config: EngineConfig
+    model_config: ModelConfig
+    target: BoundModel
+    runner: CachedExpertRunner | None
+    decoder: Decoder
+    max_model_len: int
+    _stats_base: StatsSnapshot | None = None
+
+    def finish_step(self) -> None:
+        if self.runner is not None:
+            self.runner.finish_step()
+
+    def expert_stats(self) -> StatsSnapshot:
+        return self.runner.stats() if self.runner is not None else StatsSnapshot(())
+
+    def reset_stats(self) -> None:
+        """Start a new measurement window for generation_stats (benchmarks, one prompt each)."""
+        self._stats_base = self.expert_stats()
+
+    def generation_stats(self, *, ttft_seconds: float | None, tpot_seconds: float | None) -> dict:
+        """The `stats` object of `moe-generate --json` for the current measurement window."""
+        total = _difference(self.expert_stats(), self._stats_base)
+        return {
+            "expert_hits": total.hits,
+            "expert_misses": total.misses,
+            "hit_rate": total.hit_rate,
+            "pcie_bytes": total.demand_bytes + total.prefetch_bytes,
+            "pcie_wait_seconds": total.pcie_wait_seconds,
+            "prefetch_used": total.prefetch_used,
+            "prefetch_wasted": total.prefetch_wasted,
+            "tpot_seconds": tpot_seconds,
+            "ttft_seconds": ttft_seconds,
+        }
+
+    def metrics_snapshot(self, *, num_running: int, num_waiting: int, tpot_samples: tuple[float, ...]) -> MetricsSnapshot:
+        stats = self.expert_stats()
+        total = stats.total()
+        return MetricsSnapshot(
+            cache_hits_per_layer=stats.column("hits"),
+            cache_misses_per_layer=stats.column("misses"),
+            resident_experts=self.runner.resident_experts if self.runner is not None else 0,
+            pcie_bytes_demand=total.demand_bytes,
+            pcie_bytes_prefetch=total.prefetch_bytes,
+            pcie_wait_seconds=total.pcie_wait_seconds,
+            prefetch_used=total.prefetch_used,
+            prefetch_wasted=total.prefetch_wasted,
+            spec_drafts=0,
+            spec_draft_tokens=0,
+            spec_accepted_tokens=0,
+            cpu_expert_computations=0,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            tpot_samples=tpot_samples,
+        )
+
+    def describe(self) -> dict:
+        cfg = self.config
+        return {
+            "model": cfg.model, "device": cfg.device, "architecture": self.model_config.architecture,
+            "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
+            "prefetch": cfg.prefetch, "spec": cfg.spec, "max_model_len": self.max_model_len,
+            "cache_slots": self.runner.cache.capacity if self.runner is not None else 0,
+        }
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+
+
+def build_runtime(config: EngineConfig) -> Runtime:
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    runners: list[CachedExpertRunner] = []
+
+    def runner_factory(store, model_config: ModelConfig) -> CachedExpertRunner:
+        runners.append(CachedExpertRunner.from_config(store, config, top_k=model_config.top_k))
+        return runners[-1]
+
+    loaded = load_model(config.model, device, dtype, runner_factory=runner_factory)
+    runner = runners[0] if runners else None
+    if runner is not None:
+        runner.set_router_weights(loaded.model.router_weights())
+    max_len = min(config.max_model_len, loaded.config.max_position_embeddings)
+    kv = KVCache.for_model(loaded.config, max_len, device=device, dtype=dtype)
+    target = BoundModel(loaded.model, kv, device)
+    decoder = PlainDecoder(target)
+    log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype)})
+    return Runtime(config, loaded.config, target, runner, decoder, max_len)
