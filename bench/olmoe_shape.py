@@ -13,13 +13,14 @@ import gc
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.rows import seeded_prompts, time_engine_decode, time_hf_decode  # noqa: E402
+from bench.rows import guarded, seeded_prompts, time_engine_decode, time_hf_decode  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
 OLMOE_SHAPE = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
@@ -37,8 +38,39 @@ def build_checkpoint(path: Path, shape: dict) -> None:
         model = OlmoeForCausalLM(OlmoeConfig(**shape)).to(torch.bfloat16)
     model.save_pretrained(path, max_shard_size="4GB")
     del model
+    free_gpu()
+
+
+def free_gpu() -> None:
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def transformers_row(path: Path, prompts, tokens: int):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda").eval()
+    try:
+        return time_hf_decode("transformers eager all-GPU", model, prompts, tokens, torch.device("cuda"))
+    finally:
+        del model
+        free_gpu()
+
+
+def accelerate_row(path: Path, budget: str, prompts, tokens: int):
+    from accelerate import infer_auto_device_map, init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    device_map = infer_auto_device_map(empty, max_memory={0: budget, "cpu": "200GiB"},
+                                       no_split_module_classes=["OlmoeDecoderLayer"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device_map).eval()
+    try:
+        return time_hf_decode(f"accelerate offload {budget}", model, prompts, tokens, torch.device("cuda"))
+    finally:
+        del model
+        free_gpu()
 
 
 def main() -> None:
@@ -58,46 +90,21 @@ def main() -> None:
     build_checkpoint(path, OLMOE_SHAPE)
     print(f"checkpoint ready in {time.perf_counter() - started:.0f}s", flush=True)
     prompts = seeded_prompts(OLMOE_SHAPE["vocab_size"], args.prompts, args.prompt_len)
-    device = torch.device("cuda")
-    rows = []
-
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-    rows.append(time_hf_decode("transformers eager all-GPU", model, prompts, args.tokens, device))
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    print(rows[-1], flush=True)
-
     ours = EngineConfig(model=str(path), device="cuda", max_model_len=1024)
-    rows.append(time_engine_decode("ours all-GPU", ours, prompts, args.tokens))
-    print(rows[-1], flush=True)
-    rows.append(time_engine_decode(f"ours offloaded {args.budget} LRU",
-                                   EngineConfig(**{**ours.__dict__, "gpu_expert_budget": args.budget}),
-                                   prompts, args.tokens))
-    print(rows[-1], flush=True)
-    gc.collect()
-    torch.cuda.empty_cache()
-
-    from accelerate import infer_auto_device_map, init_empty_weights
-    from transformers import AutoConfig
-
-    with init_empty_weights():
-        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
-    device_map = infer_auto_device_map(empty, max_memory={0: args.budget, "cpu": "200GiB"},
-                                       no_split_module_classes=["OlmoeDecoderLayer"])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=device_map).eval()
-    rows.append(time_hf_decode(f"accelerate offload {args.budget}", model, prompts[: args.accelerate_prompts],
-                               args.accelerate_tokens, device))
-    print(rows[-1], flush=True)
-
-    by_name = {r.name: r.tpot_median_s for r in rows}
-    ratios = {
-        "ours_gpu_vs_transformers": by_name["transformers eager all-GPU"] / by_name["ours all-GPU"],
-        "ours_offloaded_vs_accelerate": by_name[f"accelerate offload {args.budget}"]
-        / by_name[f"ours offloaded {args.budget} LRU"],
-    }
+    offloaded = replace(ours, gpu_expert_budget=args.budget)
+    names = {"hf": "transformers eager all-GPU", "gpu": "ours all-GPU", "off": f"ours offloaded {args.budget} LRU",
+             "acc": f"accelerate offload {args.budget}"}
+    rows: list = []
+    guarded(rows, names["hf"], lambda: transformers_row(path, prompts, args.tokens))
+    guarded(rows, names["gpu"], lambda: time_engine_decode(names["gpu"], ours, prompts, args.tokens))
+    free_gpu()
+    guarded(rows, names["off"], lambda: time_engine_decode(names["off"], offloaded, prompts, args.tokens))
+    free_gpu()
+    guarded(rows, names["acc"], lambda: accelerate_row(path, args.budget, prompts[: args.accelerate_prompts],
+                                                       args.accelerate_tokens))
+    tpot = {r.name: r.tpot_median_s for r in rows}
+    ratios = {"ours_gpu_vs_transformers": tpot[names["hf"]] / tpot[names["gpu"]],
+              "ours_offloaded_vs_accelerate": tpot[names["acc"]] / tpot[names["off"]]}
     result = {"command": " ".join(sys.argv), "shape": OLMOE_SHAPE, "device": torch.cuda.get_device_name(),
               "rows": [r.as_dict() for r in rows], "ratios": ratios}
     Path(args.out).write_text(json.dumps(result, indent=2))

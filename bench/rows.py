@@ -26,6 +26,18 @@ class RowResult:
         return asdict(self)
 
 
+def guarded(rows: list, name: str, run) -> None:
+    """Run one row; a failing row is recorded with its error instead of ending the whole call."""
+    import traceback
+
+    try:
+        rows.append(run())
+    except Exception as exc:  # a benchmark call is expensive: keep the other rows
+        traceback.print_exc()
+        rows.append(RowResult(name, float("nan"), float("nan"), float("nan"), 0, {"error": repr(exc)}))
+    print(rows[-1], flush=True)
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

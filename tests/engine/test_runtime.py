@@ -19,6 +19,8 @@ from engine.messages import GenerateRequest, SamplingParams
 from tests.tiny_checkpoints import MOE_FAMILIES, build_tiny_checkpoint, tiny_hf_model
 
 PROMPT = (3, 17, 42, 5, 99, 7, 12, 64)
+# On a GPU machine the same tests run the CUDA copy path (streams, events, pinned store) too.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NEW_TOKENS = 24
 
 
@@ -47,10 +49,12 @@ def greedy(config: EngineConfig) -> tuple[list[int], dict]:
         core.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("policy,prefetch", [("lru", "none"), ("lfu", "next-layer"), ("mrs", "none"), ("mrs", "next-layer")])
-def test_offloaded_greedy_equals_transformers(checkpoints, family, policy, prefetch):
-    config = EngineConfig(model=checkpoints[family], gpu_expert_budget="40%", cache_policy=policy, prefetch=prefetch)
+def test_offloaded_greedy_equals_transformers(checkpoints, device, family, policy, prefetch):
+    config = EngineConfig(model=checkpoints[family], device=device, dtype="float32", gpu_expert_budget="40%",
+                          cache_policy=policy, prefetch=prefetch)
     tokens, stats = greedy(config)
     assert tokens == hf_greedy(family)
     assert stats["expert_misses"] > 0, "the budget must force misses for this test to mean anything"
