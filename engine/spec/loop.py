@@ -1,0 +1,140 @@
+"""The one draft -> verify -> accept loop that every speculative mode runs.
+
+KV invariant between steps: the target's cache holds exactly all_ids[:-1]; the last emitted token
+is pending and is the first token the next verify pass feeds. One step:
+
+  1. draft up to gamma tokens (fewer near max_tokens or the context end, after a stop token, or
+     once the draft's confidence drops below tau), each from the draft's logits penalised with
+     the running counts;
+  2. roll the target back to all_ids[:-1] (a self-draft wrote its own cache) and verify pending
+     + drafts in ONE target forward, which rewrites those positions with the full model;
+  3. walk the positions: keep or correct each draft (acceptance.py), appending token by token so
+     penalties see the counts of the tokens before them; after all kept, the last row gives the
+     bonus token; stop the moment seq.append reports the sequence finished;
+  4. truncate target and draft caches to all_ids[:-1].
+
+The very first step of a sequence is the prefill: its own forward and one plainly sampled token.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+import torch
+
+from engine.decode import BoundModel, PlainDecoder, choose_token
+from engine.kv_cache import KVCache
+from engine.sampling import apply_penalties, draw, target_distribution, token_logprob
+from engine.sequence import Sequence
+from engine.spec.acceptance import AcceptRule, verify_position
+from engine.spec.adaptive import AdaptiveGamma, AdaptiveGammaConfig
+from engine.spec.config import SpecConfig
+from engine.spec.cross_model import CrossModelPredictor
+from engine.spec.stats import SpecStats
+
+@dataclass(frozen=True)
+class Drafted:
+    token: int
+    q: torch.Tensor  # [V] the distribution the token was drawn from (after penalties, temperature, top-k/p)
+
+
+class Drafter:
+    """A model proposing the next tokens from its own KV cache (the target's own when self-drafting)."""
+
+    def __init__(self, model: BoundModel, **forward_kwargs) -> None:
+        self.model, self.forward_kwargs = model, forward_kwargs
+
+    @property
+    def kv(self) -> KVCache:
+        return self.model.kv
+
+    def next_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits [V] of the token after ids, feeding only the ids this drafter's cache lacks."""
+        return self.model.forward(ids[self.kv.length :], last_only=True, **self.forward_kwargs)[-1]
+
+
+class SpecDecoder:
+    def __init__(self, target: BoundModel, drafter: Drafter, config: SpecConfig,
+                 predictor: CrossModelPredictor | None = None, stats: SpecStats | None = None) -> None:
+        self.target, self.drafter, self.config, self.predictor = target, drafter, config, predictor
+        self.stats = SpecStats() if stats is None else stats
+        self.prefill = PlainDecoder(target)
+        self.adaptive = AdaptiveGamma(AdaptiveGammaConfig(config.gamma)) if config.adaptive_gamma else None
+
+    def step(self, seq: Sequence, max_model_len: int) -> None:
+        if not seq.output_ids:
+            self.prefill.step(seq, max_model_len)
+            return
+        started = time.perf_counter()
+        drafts = self._draft(seq, self._draft_budget(seq, max_model_len))
+        drafted = time.perf_counter()
+        logits = self._verify(seq, drafts)  # [n+1, V]
+        verified = time.perf_counter()
+        kept = self._accept(seq, drafts, logits, max_model_len)
+        self._rollback(len(seq.all_ids) - 1)
+        self._record(len(drafts), kept, drafted - started, verified - drafted)
+
+    def reset(self) -> None:
+        self.target.reset()
+        self.drafter.model.reset()
+        if self.adaptive is not None:
+            self.adaptive.reset()
+        if self.predictor is not None:
+            self.predictor.reset()
+
+    def _draft_budget(self, seq: Sequence, max_model_len: int) -> int:
+        """Drafts such that drafts + bonus fit both max_tokens and the context."""
+        gamma = self.config.gamma if self.adaptive is None else self.adaptive.gamma
+        return max(0, min(gamma, seq.remaining - 1, max_model_len - len(seq.all_ids) - 1))
+
+    def _draft(self, seq: Sequence, budget: int) -> list[Drafted]:
+        ids, counts, drafts = seq.all_ids, Counter(seq.output_counts), []
+        greedy = seq.params.temperature == 0
+        while len(drafts) < budget:
+            logits = apply_penalties(self.drafter.next_logits(ids), seq.params, counts)  # [V]
+            q = target_distribution(logits, seq.params)  # [V]
+            token = int(q.argmax()) if greedy else draw(q, seq.generator)
+            drafts.append(Drafted(token, q))
+            ids = ids + [token]
+            counts[token] += 1  # the next draft position sees this token's penalty, as verify will
+            if token in seq.params.stop_token_ids or self._unsure(logits):
+                break
+        return drafts
+
+    def _unsure(self, logits: torch.Tensor) -> bool:
+        """The draft's own max probability (softmax of its penalised logits) is below tau."""
+        return self.config.confidence > 0 and float(torch.softmax(logits, -1).max()) < self.config.confidence
+
+    def _verify(self, seq: Sequence, drafts: list[Drafted]) -> torch.Tensor:
+        self._truncate(self.target.kv, len(seq.all_ids) - 1)  # drop what a self-draft wrote
+        hook = None if self.predictor is None else self.predictor.on_verify_attention
+        return self.target.forward([seq.all_ids[-1]] + [d.token for d in drafts], on_attention_output=hook)
+
+    def _accept(self, seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, max_model_len: int) -> int:
+        """Emit kept drafts, then a correction or the bonus token; returns how many drafts were kept."""
+        rule = AcceptRule(seq.params.temperature == 0, self.config.confidence, self.config.adaptive_tolerance)
+        for i, draft in enumerate(drafts):
+            row = apply_penalties(logits[i], seq.params, seq.output_counts)  # [V] counts include kept drafts
+            token, kept = verify_position(target_distribution(row, seq.params), draft.q, draft.token, rule,
+                                          seq.generator)
+            logprob = None if seq.params.logprobs is None else token_logprob(row, token, seq.params.logprobs)
+            if seq.append(token, logprob, max_model_len) or not kept:
+                return i + int(kept)
+        token, logprob = choose_token(seq, logits[len(drafts)])
+        seq.append(token, logprob, max_model_len)
+        return len(drafts)
+
+    def _rollback(self, length: int) -> None:
+        self._truncate(self.target.kv, length)
+        self._truncate(self.drafter.kv, length)
+
+    @staticmethod
+    def _truncate(kv: KVCache, length: int) -> None:
+        kv.truncate(min(kv.length, length))
+
+    def _record(self, drafted: int, kept: int, draft_seconds: float, verify_seconds: float) -> None:
+        self.stats.record_verify(drafted, kept, draft_seconds, verify_seconds)
+        if self.adaptive is not None:
+            self.adaptive.update(drafted, kept, draft_seconds, verify_seconds)
+        if self.predictor is not None:
+            self.predictor.finish_round(self.stats)

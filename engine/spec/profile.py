@@ -1,0 +1,72 @@
+"""Start-up profile for the cutoff layer: seconds per drafting layer and per expert copy.
+
+Medians over a few repeats after one warm-up; on CUDA the device is synchronised around each
+timed call so the clock sees the work, not the launch.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.models.config import ModelConfig
+from engine.spec.config import SpecConfig
+from engine.spec.cutoff import CutoffInputs, choose_cutoff
+from engine.spec.loop import Drafter
+
+
+@dataclass(frozen=True)
+class SpecProfile:
+    t_comp: float  # seconds per drafting layer for one drafted token
+    t_load: float  # seconds to copy one expert host -> device
+
+
+def median_seconds(fn: Callable[[], None], device: torch.device, repeats: int = 5) -> float:
+    fn()  # warm-up: allocator, kernels, caches
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def profile_drafting(drafter: Drafter, depth: int, repeats: int = 5) -> float:
+    """t_comp: one single-token drafting forward, per layer. Leaves the drafter's cache as it was."""
+    length = drafter.kv.length
+
+    def one_token() -> None:
+        drafter.next_logits([0] * (length + 1))
+        drafter.kv.truncate(length)
+
+    return median_seconds(one_token, drafter.model.device, repeats) / depth
+
+
+def profile_expert_load(expert_bytes: int, device: torch.device, repeats: int = 5) -> float:
+    """t_load: one expert-sized copy from pinned host memory, as the expert cache copies."""
+    pin = device.type == "cuda"
+    src = torch.empty(expert_bytes, dtype=torch.uint8, pin_memory=pin)  # [bytes]
+    dst = torch.empty(expert_bytes, dtype=torch.uint8, device=device)  # [bytes]
+    return median_seconds(lambda: dst.copy_(src, non_blocking=pin), device, repeats)
+
+
+def plan_cutoff(config: SpecConfig, target: ModelConfig, draft_depth: int, experts_per_layer: int,
+                expert_bytes: int, free_bytes: int, profile: SpecProfile) -> int:
+    """--spec-cutoff when given, else SP-MoE's bound with `experts_per_layer` prefetched per MoE layer
+    (k for a separate draft; k - r for self-drafting, whose top-r the draft loads itself)."""
+    if config.cutoff is not None:
+        return min(config.cutoff, target.num_moe_layers)
+    return choose_cutoff(CutoffInputs(
+        experts_per_layer=(min(experts_per_layer, target.num_experts),) * target.num_moe_layers,
+        expert_bytes=expert_bytes, free_bytes=free_bytes, t_comp=profile.t_comp, t_load=profile.t_load,
+        draft_depth=draft_depth, gamma=config.gamma))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

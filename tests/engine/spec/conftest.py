@@ -1,0 +1,32 @@
+"""Tiny checkpoints built once per session for the speculative-decoding tests."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import torch
+
+from tests.tiny_checkpoints import build_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """checkpoint(family, seed=0) -> path of a tiny random checkpoint, built on first use."""
+    built: dict[tuple[str, int], Path] = {}
+
+    def get(family: str, seed: int = 0) -> Path:
+        if (family, seed) not in built:
+            built[family, seed] = build_tiny_checkpoint(family, tmp_path_factory.mktemp(f"{family}-{seed}"), seed=seed)
+        return built[family, seed]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """These models are tiny: a second intra-op thread only adds spin-waits (50x slower on a busy box)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,75 @@
+"""Tiny models, cached runners and a generate loop shared by the speculative-decoding tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.decode import BoundModel, Decoder
+from engine.experts.runner import CachedExpertRunner
+from engine.experts.store import ExpertStore
+from engine.kv_cache import KVCache
+from engine.loader import load_model
+from engine.messages import SamplingParams
+from engine.models.blocks import CausalLM
+from engine.models.config import ModelConfig
+from engine.sampling import make_generator
+from engine.sequence import Sequence
+
+MAX_LEN = 64
+CPU = torch.device("cpu")
+
+
+def load_cached(path: Path, slots_beyond_top_k: int = 1) -> CausalLM:
+    """An MoE tiny model whose expert cache holds only top_k + slots_beyond_top_k experts in all."""
+    def runner(store: ExpertStore, config: ModelConfig) -> CachedExpertRunner:
+        budget = (config.top_k + slots_beyond_top_k) * store.layout.nbytes
+        return CachedExpertRunner(store, budget, "lru", CPU, top_k=config.top_k)
+
+    return load_model(path, CPU, torch.float32, runner_factory=runner, progress=False).model
+
+
+def load_dense(path: Path) -> CausalLM:
+    return load_model(path, CPU, torch.float32, progress=False).model
+
+
+def bind(model: CausalLM) -> BoundModel:
+    return BoundModel(model, KVCache.for_model(model.config, MAX_LEN, device=CPU, dtype=model.dtype), CPU)
+
+
+def prefill_kv(model: CausalLM, ids: list[int]) -> KVCache:
+    """A fresh cache holding ids, computed in one forward with every expert."""
+    kv = KVCache.for_model(model.config, MAX_LEN, device=CPU, dtype=model.dtype)
+    model(torch.tensor(ids), 0, kv)
+    return kv
+
+
+def generate(decoder: Decoder, target: BoundModel, prompt: list[int], params: SamplingParams,
+             max_model_len: int = MAX_LEN) -> Sequence:
+    """Run decoder to completion, checking the KV invariant after every step."""
+    seq = Sequence("test", list(prompt), params, make_generator(params.seed))
+    decoder.reset()
+    while seq.finish_reason is None:
+        before = len(seq.output_ids)
+        decoder.step(seq, max_model_len)
+        assert len(seq.output_ids) > before, "a step must emit at least one token"
+        assert target.kv.length == len(seq.all_ids) - 1, "the target KV must hold all tokens but the pending one"
+    return seq
+
+
+def assert_kv_matches_prefill(target: BoundModel, ids: list[int]) -> None:
+    fresh = prefill_kv(target.model, ids)
+    n = len(ids)
+    assert target.kv.length == n
+    torch.testing.assert_close(target.kv.keys[:, :n], fresh.keys[:, :n], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(target.kv.values[:, :n], fresh.values[:, :n], rtol=1e-4, atol=1e-5)
+
+
+class RecordingSink:
+    """Prefetch sink that remembers what it was asked to load."""
+
+    def __init__(self) -> None:
+        self.tasks: list[tuple[int, list[int]]] = []
+
+    def submit(self, layer: int, experts: torch.Tensor) -> None:
+        self.tasks.append((layer, experts.tolist()))
