@@ -40,3 +40,24 @@ def accumulate_experts(
             y = swiglu_expert(x[tokens], rows[expert], layout)  # [n, H]
             out.index_add_(0, tokens, y * weight_of[start : start + count, None].to(y.dtype))
         start += count
+
+
+def gathered_experts(
+    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor,
+    slot_ids: torch.Tensor, layout: ExpertLayout,
+) -> torch.Tensor:
+    """All routed experts of a few tokens at once, with no host sync: graph-capturable.
+
+    x [T, H]; expert_ids/expert_weights/slot_ids [T, k]; slots [S, numel] holds every needed
+    expert. Gathers the T*k weight rows and runs two batched matmuls — worth it while T*k is
+    small (decode, short verify spans); long prefills use accumulate_experts instead.
+    """
+    t, k = expert_ids.shape
+    i, h = layout.intermediate_size, layout.hidden_size
+    rows = slots.index_select(0, slot_ids.reshape(-1))  # [T*k, numel]
+    gate_up = rows[:, : 2 * i * h].view(t * k, 2 * i, h)  # [T*k, 2I, H]
+    down = rows[:, 2 * i * h :].view(t * k, h, i)  # [T*k, H, I]
+    xk = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    gate, up = torch.bmm(gate_up, xk).squeeze(-1).chunk(2, dim=-1)  # [T*k, I] each
+    y = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    return (y.view(t, k, h) * expert_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [T, H]
