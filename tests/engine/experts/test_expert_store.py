@@ -1,0 +1,47 @@
+"""ExpertStore: per-part and fused puts both produce ExpertLayout's packed rows."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.experts.layout import ExpertLayout
+from engine.experts.store import ExpertStore
+
+H, I, E = 8, 4, 3
+
+
+def _weights(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(I, H, generator=g), torch.randn(I, H, generator=g), torch.randn(H, I, generator=g)
+
+
+def test_put_streams_parts_into_the_packed_row() -> None:
+    layout = ExpertLayout(H, I, torch.float32)
+    store = ExpertStore(2, E, layout)
+    gate, up, down = _weights(0)
+    store.put(1, 2, gate=gate)
+    store.put(1, 2, down=down, up=up)
+    expected = torch.empty(layout.numel)
+    layout.pack_into(expected, gate, up, down)
+    torch.testing.assert_close(store.row(1, 2), expected, atol=0, rtol=0)
+    assert store.nbytes == 2 * E * layout.nbytes and not store.is_pinned
+
+
+def test_fused_put_equals_per_expert_puts() -> None:
+    layout = ExpertLayout(H, I, torch.bfloat16)
+    per_expert, fused = ExpertStore(1, E, layout), ExpertStore(1, E, layout)
+    experts = [_weights(e) for e in range(E)]
+    for e, (gate, up, down) in enumerate(experts):
+        per_expert.put(0, e, gate=gate, up=up, down=down)
+    fused.put_fused(0, gate_up=torch.stack([torch.cat([g, u]) for g, u, _ in experts]))  # [E, 2I, H]
+    fused.put_fused(0, down=torch.stack([d for _, _, d in experts]))  # [E, H, I]
+    torch.testing.assert_close(fused.rows, per_expert.rows, atol=0, rtol=0)
+    assert fused.rows.dtype == torch.bfloat16
+
+
+def test_misshaped_weight_is_refused() -> None:
+    store = ExpertStore(1, E, ExpertLayout(H, I, torch.float32))
+    with pytest.raises(ValueError, match="shape"):
+        store.put(0, 0, gate=torch.zeros(H, I))
+    with pytest.raises(ValueError, match="shape"):
+        store.put_fused(0, down=torch.zeros(E, I, H))
