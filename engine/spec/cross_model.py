@@ -48,11 +48,13 @@ class WorkerPrefetch:
 
     The expert ids stay on the device; a non-blocking copy to pinned host memory and an event
     recorded after it let the worker (not compute) wait for them (Algorithm 1, lines 7-8).
-    A task goes stale after `horizon` more layer runs: by then its verify pass has passed.
+    `progress()` counts MoE layer runs started (the runner's clock). A task for MoE layer m is
+    stale once the verify pass has started m, i.e. after at most `lead_runs` more drafting runs
+    (0 for a dense draft; gamma * MoE layers bounds a self-draft) plus m + 1 verify runs.
     """
 
-    def __init__(self, worker: PrefetchWorker, progress: Callable[[], int], horizon: int) -> None:
-        self.worker, self.progress, self.horizon = worker, progress, horizon
+    def __init__(self, worker: PrefetchWorker, progress: Callable[[], int], lead_runs: int) -> None:
+        self.worker, self.progress, self.lead_runs = worker, progress, lead_runs
 
     def submit(self, layer: int, experts: torch.Tensor) -> None:
         ready = None
@@ -62,7 +64,7 @@ class WorkerPrefetch:
             ready.record()
         else:
             host = experts.clone()  # [m] the caller may reuse its tensor
-        self.worker.submit(PrefetchTask(layer, host, ready, self.progress() + self.horizon))
+        self.worker.submit(PrefetchTask(layer, host, ready, self.progress() + self.lead_runs + layer + 1))
 
 
 class CrossModelPredictor:

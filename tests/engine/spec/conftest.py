@@ -7,7 +7,9 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from tests.tiny_checkpoints import build_tiny_checkpoint
+from engine.models.blocks import CausalLM
+from spec_harness import load_cached, load_dense
+from tests.tiny_checkpoints import MOE_FAMILIES, build_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +32,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def target(request: pytest.FixtureRequest, checkpoint: Callable[..., Path]) -> CausalLM:
+    """Each MoE family on the cached runner with a budget of top_k + 1 experts."""
+    return load_cached(checkpoint(request.param))
+
+
+@pytest.fixture(scope="module")
+def draft(checkpoint: Callable[..., Path]) -> CausalLM:
+    """A random dense model sharing the targets' vocabulary and hidden size."""
+    return load_dense(checkpoint("llama", seed=3))

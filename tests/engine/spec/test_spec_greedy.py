@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -19,22 +17,10 @@ from engine.spec.config import SpecConfig
 from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.loop import SpecDecoder
 from engine.spec.self_spec import SelfSpecDecoder
-from spec_harness import RecordingSink, assert_kv_matches_prefill, bind, generate, load_cached, load_dense
-from tests.tiny_checkpoints import MOE_FAMILIES
+from spec_harness import RecordingSink, assert_kv_matches_prefill, bind, generate
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
-Checkpoint = Callable[..., Path]
-
-
-@pytest.fixture(scope="module", params=MOE_FAMILIES)
-def target(request: pytest.FixtureRequest, checkpoint: Checkpoint) -> CausalLM:
-    return load_cached(checkpoint(request.param))
-
-
-@pytest.fixture(scope="module")
-def draft(checkpoint: Checkpoint) -> CausalLM:
-    return load_dense(checkpoint("llama", seed=3))
 
 
 def plain_tokens(model: CausalLM, params: SamplingParams, max_model_len: int = 64) -> list[int]:

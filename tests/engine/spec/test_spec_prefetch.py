@@ -1,0 +1,88 @@
+"""Speculative prefetch through the real PrefetchWorker and expert cache; profiling; adaptive modes."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from engine.decode import PlainDecoder
+from engine.experts.prefetch import PrefetchWorker
+from engine.messages import SamplingParams
+from engine.models.blocks import CausalLM
+from engine.spec.config import SpecConfig
+from engine.spec.cross_model import WorkerPrefetch
+from engine.spec.draft_spec import DraftSpecDecoder
+from engine.spec.loop import Drafter
+from engine.spec.profile import SpecProfile, plan_cutoff, profile_drafting, profile_expert_load
+from engine.spec.self_spec import SelfSpecDecoder
+from spec_harness import CPU, bind, generate
+
+PROMPT = [9, 33, 2, 101, 54]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def plain_tokens(model: CausalLM, params: SamplingParams) -> list[int]:
+    bound = bind(model)
+    return generate(PlainDecoder(bound), bound, PROMPT, params).output_ids
+
+
+@pytest.mark.parametrize("mode", ["self", "draft"])
+def test_speculative_prefetch_fills_the_cache_without_changing_tokens(target: CausalLM, draft: CausalLM,
+                                                                      mode: str) -> None:
+    cache = target.runner.cache
+    worker = PrefetchWorker(cache, lambda: 0)  # progress 0: no task goes stale in this test
+    sink = WorkerPrefetch(worker, progress=lambda: 0, lead_runs=0)
+    bound = bind(target)
+    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3), prefetch=sink) if mode == "self"
+               else DraftSpecDecoder(bound, bind(draft), SpecConfig(gamma=3), prefetch=sink))
+    before = cache.stats.snapshot().total().prefetch_bytes
+    try:
+        seq = generate(decoder, bound, PROMPT, GREEDY)
+        worker.wait_idle()
+    finally:
+        worker.close()
+    assert seq.output_ids == plain_tokens(target, GREEDY)
+    assert cache.stats.snapshot().total().prefetch_bytes > before
+
+
+def test_profile_measures_and_leaves_the_drafter_as_it_was(draft: CausalLM) -> None:
+    drafter = Drafter(bind(draft))
+    drafter.next_logits(PROMPT)
+    t_comp = profile_drafting(drafter, draft.config.num_layers, repeats=2)
+    t_load = profile_expert_load(1 << 16, CPU, repeats=2)
+    assert t_comp > 0 and t_load > 0
+    assert drafter.kv.length == len(PROMPT)
+
+
+def test_plan_cutoff_prefers_the_override_and_otherwise_bounds_by_time(target: CausalLM) -> None:
+    config = target.config
+    slow_loads = SpecProfile(t_comp=1e-3, t_load=1.0)
+    fast_loads = SpecProfile(t_comp=1.0, t_load=1e-6)
+    free = 1 << 40
+    assert plan_cutoff(SpecConfig(cutoff=99), config, 3, config.top_k, 1, free, slow_loads) == config.num_moe_layers
+    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, free, slow_loads) == 0
+    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, free, fast_loads) == config.num_moe_layers
+
+
+def test_adaptive_gamma_keeps_greedy_exact(target: CausalLM) -> None:
+    bound = bind(target)
+    decoder = SelfSpecDecoder(bound, SpecConfig(gamma=5, adaptive_gamma=True))
+    assert generate(decoder, bound, PROMPT, GREEDY).output_ids == plain_tokens(target, GREEDY)
+    assert decoder.adaptive is not None and decoder.adaptive.seconds_per_verify is not None
+
+
+def test_lossy_adaptive_acceptance_is_wired_through(target: CausalLM) -> None:
+    """Tolerance T = 1 keeps every draft the target gives any mass (all, without top-k/top-p)."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=7)
+    bound = bind(target)
+    decoder = SelfSpecDecoder(bound, SpecConfig(gamma=4, adaptive_tolerance=1.0))
+    seq = generate(decoder, bound, PROMPT, params)
+    assert len(seq.output_ids) == params.max_tokens
+    assert decoder.stats.draft_tokens > 0 and decoder.stats.acceptance_rate == 1.0
+
+
+def test_spec_config_rejects_nonsense() -> None:
+    for bad in (dict(gamma=0), dict(top_r=0), dict(confidence=1.5), dict(cutoff=-1), dict(adaptive_tolerance=2.0)):
+        with pytest.raises(ValueError):
+            SpecConfig(**bad)
+    assert dataclasses.replace(SpecConfig(), gamma=2).gamma == 2
