@@ -2,8 +2,14 @@
 
 Pinned when the compute device is CUDA, so a row copies to its GPU slot at full PCIe speed and
 asynchronously; plain memory otherwise (pinning needs a CUDA driver).
+
+Pinning registers our own allocation with cudaHostRegister instead of asking for pin_memory=True:
+torch's caching host allocator rounds sizes up to a power of two, so a 90 GB store would ask for
+128 GB of page-locked RAM.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -15,9 +21,9 @@ class ExpertStore:
         self.layout = layout
         self.num_layers = num_layers
         self.num_experts = num_experts
-        self.rows = torch.empty(
-            (num_layers, num_experts, layout.numel), dtype=layout.dtype, pin_memory=pin
-        )  # [L_moe, E, 3*I*H]
+        self.rows = torch.empty((num_layers, num_experts, layout.numel), dtype=layout.dtype)  # [L_moe, E, 3*I*H]
+        if pin and self.rows.numel():
+            _pin(self, self.rows)
 
     @classmethod
     def for_device(cls, num_layers: int, num_experts: int, layout: ExpertLayout, device: torch.device | str) -> ExpertStore:
@@ -61,6 +67,16 @@ class ExpertStore:
             _copy_checked(rows[:, : 2 * i * h].view(self.num_experts, 2 * i, h), gate_up)
         if down is not None:
             _copy_checked(rows[:, 2 * i * h :].view(self.num_experts, h, i), down)
+
+
+def _pin(owner: ExpertStore, rows: torch.Tensor) -> None:
+    """Page-lock rows' memory for as long as owner lives."""
+    cudart = torch.cuda.cudart()
+    ptr = rows.data_ptr()
+    err = cudart.cudaHostRegister(ptr, rows.numel() * rows.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of the {rows.numel() * rows.element_size() / 2**30:.1f} GiB expert store failed ({err})")
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine.experts.compute import accumulate_experts
+from engine.experts.routing import LayerRouting
 from engine.kv_cache import KVCache
 from engine.loader import LoadedModel, LoadError, load_model, resolve_dtype
 from tests.tiny_checkpoints import AllResidentRunner, build_tiny_checkpoint
@@ -125,3 +127,28 @@ def test_resolve_dtype() -> None:
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("int8", "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_load_pins_the_store_and_matches_cpu(qwen2_moe: Path) -> None:
+    cpu = _load(qwen2_moe)
+    cuda = load_model(qwen2_moe, "cuda", torch.float32, runner_factory=CudaRunner.factory, progress=False)
+    assert cuda.store.is_pinned and cuda.model.device.type == "cuda"
+    kv = KVCache.for_model(cuda.config, 16, device="cuda", dtype=torch.float32)
+    logits = cuda.model(torch.arange(3, 13, device="cuda"), 0, kv).cpu()
+    torch.testing.assert_close(logits, _logits(cpu), atol=1e-3, rtol=0)
+    bf16 = load_model(qwen2_moe, "cuda", runner_factory=CudaRunner.factory, progress=False)
+    assert bf16.model.dtype == torch.bfloat16
+    assert bf16.model(torch.arange(3, 13, device="cuda"), 0, KVCache.for_model(
+        bf16.config, 16, device="cuda", dtype=torch.bfloat16)).isfinite().all()
+
+
+class CudaRunner(AllResidentRunner):
+    """Copies the routed experts' pinned rows to the GPU on demand (test-only; no cache)."""
+
+    def run(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
+        out = torch.zeros_like(x)  # [T, H]
+        ids = routing.expert_ids.unique().tolist()
+        rows = {e: self.store.row(routing.layer, e).to(x.device, non_blocking=True) for e in ids}
+        accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, self.store.layout)
+        return out
