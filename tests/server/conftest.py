@@ -1,0 +1,117 @@
+"""Real servers for the HTTP tests: a tiny checkpoint + tokenizer on disk, `python -m server` on a
+free port, on the CPU. One shared server per session; tests that need other flags start their own."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.tiny_tokenizer import build_tiny_tokenizer
+from tests.tiny_checkpoints import build_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+FAMILY = "mixtral"
+MAX_MODEL_LEN = 256
+START_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    process: subprocess.Popen
+    log_path: Path
+    model: str  # the served model name
+    model_dir: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def engine_pids(self) -> list[int]:
+        """Engine processes in start order, as the server logs them (no endpoint tells)."""
+        return [int(p) for p in re.findall(r"engine process started \(pid (\d+)\)", self.log())]
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.base_url + path, timeout=30, **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(self.base_url + path, timeout=60, **kwargs)
+
+    def metric(self, line_prefix: str, headers: dict | None = None) -> float:
+        """The value of the first /metrics sample line that starts with line_prefix."""
+        for line in self.get("/metrics", headers=headers or {}).text.splitlines():
+            if line.startswith(line_prefix + " ") or line.startswith(line_prefix + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(line_prefix)
+
+    def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if self.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def start_server(model_dir: Path, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
+    """Start `python -m server` and wait until /health says the engine is ready."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--device", "cpu", "--port", str(port),
+           "--max-model-len", str(MAX_MODEL_LEN), *args]
+    # One intra-op thread: on a small shared CPU torch's default thread pool spins against the
+    # other processes (measured: ~70x slower per step on 2 busy cores).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = RunningServer(f"http://127.0.0.1:{port}", process, log_path, model_dir.name, model_dir)
+    try:
+        server.wait_healthy()
+    except Exception:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("ckpt") / "tiny-moe"
+    build_tiny_checkpoint(FAMILY, path)
+    build_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(tiny_model, tmp_path_factory.mktemp("logs"))
+    yield running
+    running.stop()
