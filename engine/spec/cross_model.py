@@ -14,7 +14,8 @@ draft just ran, hence resident) are skipped, which leaves exactly SS-MoE's k - r
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -69,7 +70,7 @@ class WorkerPrefetch:
 
 class CrossModelPredictor:
     def __init__(self, route: RouteFn, draft_to_target: tuple[tuple[int, ...], ...],
-                 target_moe_layers: tuple[int, ...], sink: PrefetchSink | None, skip_first: int = 0) -> None:
+                 target_moe_layers: tuple[int, ...], sink: PrefetchSink, skip_first: int = 0) -> None:
         """draft_to_target[d]: target MoE layers predicted at drafting layer d (layer_map.layer_map).
 
         skip_first: leading experts of each top-k not to prefetch (the self-draft's own top-r).
@@ -84,7 +85,7 @@ class CrossModelPredictor:
         for moe_layer in self.draft_to_target[layer]:
             experts = self.route(moe_layer, h[-1:])[0]  # [k]
             self.predicted[moe_layer].append(experts)
-            if self.sink is not None and experts.shape[0] > self.skip_first:
+            if experts.shape[0] > self.skip_first:
                 self.sink.submit(moe_layer, experts[self.skip_first :])
 
     def on_verify_attention(self, layer: int, h: torch.Tensor) -> None:

@@ -13,8 +13,8 @@ behind drafting instead of stalling the verify pass.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)

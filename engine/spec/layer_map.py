@@ -8,7 +8,7 @@ the copy the most time to land.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def draft_layer_for(target_layer: int, target_depth: int, draft_depth: int) -> int:

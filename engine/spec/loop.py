@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+
 import torch
 
 from engine.decode import BoundModel, PlainDecoder, choose_token
@@ -32,6 +33,7 @@ from engine.spec.config import SpecConfig
 from engine.spec.cross_model import CrossModelPredictor
 from engine.spec.stats import SpecStats
 
+
 @dataclass(frozen=True)
 class Drafted:
     token: int
@@ -42,7 +44,9 @@ class Drafter:
     """A model proposing the next tokens from its own KV cache (the target's own when self-drafting)."""
 
     def __init__(self, model: BoundModel, **forward_kwargs) -> None:
-        self.model, self.forward_kwargs = model, forward_kwargs
+        self.model = model
+        # unset options stay out: BoundModel replays CUDA graphs only for plain one-token calls
+        self.forward_kwargs = {k: v for k, v in forward_kwargs.items() if v is not None}
 
     @property
     def kv(self) -> KVCache:
@@ -107,8 +111,10 @@ class SpecDecoder:
 
     def _verify(self, seq: Sequence, drafts: list[Drafted]) -> torch.Tensor:
         self._truncate(self.target.kv, len(seq.all_ids) - 1)  # drop what a self-draft wrote
-        hook = None if self.predictor is None else self.predictor.on_verify_attention
-        return self.target.forward([seq.all_ids[-1]] + [d.token for d in drafts], on_attention_output=hook)
+        ids = [seq.all_ids[-1]] + [d.token for d in drafts]
+        if self.predictor is None:
+            return self.target.forward(ids)
+        return self.target.forward(ids, on_attention_output=self.predictor.on_verify_attention)
 
     def _accept(self, seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, max_model_len: int) -> int:
         """Emit kept drafts, then a correction or the bonus token; returns how many drafts were kept."""

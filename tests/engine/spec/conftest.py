@@ -1,14 +1,14 @@
 """Tiny checkpoints built once per session for the speculative-decoding tests."""
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import pytest
 import torch
+from spec_harness import load_cached, load_dense
 
 from engine.models.blocks import CausalLM
-from spec_harness import load_cached, load_dense
 from tests.tiny_checkpoints import MOE_FAMILIES, build_tiny_checkpoint
 
 

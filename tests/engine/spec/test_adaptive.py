@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.adaptive import AdaptiveGamma, AdaptiveGammaConfig, best_gamma, expected_tokens
+from engine.spec.adaptive import (
+    AdaptiveGamma,
+    AdaptiveGammaConfig,
+    best_gamma,
+    expected_tokens,
+)
 
 
 def test_expected_tokens_matches_the_geometric_sum() -> None:

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 
 import pytest
+from spec_harness import RecordingSink, assert_kv_matches_prefill, bind, generate
 
 from engine.decode import BoundModel, PlainDecoder
 from engine.messages import SamplingParams
@@ -17,7 +18,6 @@ from engine.spec.config import SpecConfig
 from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.loop import SpecDecoder
 from engine.spec.self_spec import SelfSpecDecoder
-from spec_harness import RecordingSink, assert_kv_matches_prefill, bind, generate
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)

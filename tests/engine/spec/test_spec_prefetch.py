@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from spec_harness import CPU, bind, generate
 
 from engine.decode import PlainDecoder
 from engine.experts.prefetch import PrefetchWorker
@@ -13,9 +14,13 @@ from engine.spec.config import SpecConfig
 from engine.spec.cross_model import WorkerPrefetch
 from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.loop import Drafter
-from engine.spec.profile import SpecProfile, plan_cutoff, profile_drafting, profile_expert_load
+from engine.spec.profile import (
+    SpecProfile,
+    plan_cutoff,
+    profile_drafting,
+    profile_expert_load,
+)
 from engine.spec.self_spec import SelfSpecDecoder
-from spec_harness import CPU, bind, generate
 
 PROMPT = [9, 33, 2, 101, 54]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -82,7 +87,13 @@ def test_lossy_adaptive_acceptance_is_wired_through(target: CausalLM) -> None:
 
 
 def test_spec_config_rejects_nonsense() -> None:
-    for bad in (dict(gamma=0), dict(top_r=0), dict(confidence=1.5), dict(cutoff=-1), dict(adaptive_tolerance=2.0)):
+    for bad in ({"gamma": 0}, {"top_r": 0}, {"confidence": 1.5}, {"cutoff": -1}, {"adaptive_tolerance": 2.0}):
         with pytest.raises(ValueError):
             SpecConfig(**bad)
     assert dataclasses.replace(SpecConfig(), gamma=2).gamma == 2
+
+
+def test_drafter_leaves_unset_options_out(draft: CausalLM) -> None:
+    """Plain one-token draft calls keep BoundModel's CUDA-graph path open."""
+    assert Drafter(bind(draft), moe_top_r=None, on_attention_output=None).forward_kwargs == {}
+    assert Drafter(bind(draft), moe_top_r=1, on_attention_output=None).forward_kwargs == {"moe_top_r": 1}
