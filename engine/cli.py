@@ -31,6 +31,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-top-r", type=int, default=1, help="experts per layer the self-draft uses")
     parser.add_argument("--spec-confidence", type=float, default=0.0, help="stop drafting below this max-prob")
     parser.add_argument("--spec-cutoff", type=int, default=None, help="SP-MoE cutoff layer (default: profiled)")
+    parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
+                        help="replay one-token decode steps as CUDA graphs when every expert is resident")
     parser.add_argument("--trust-remote-code", action="store_true")
 
 
@@ -43,7 +45,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache_policy=args.cache_policy, prefetch=args.prefetch, prefetch_depth=args.prefetch_depth,
         max_model_len=args.max_model_len, record_routing=args.record_routing, spec=args.spec, draft=args.draft,
         spec_tokens=args.spec_tokens, spec_top_r=args.spec_top_r, spec_confidence=args.spec_confidence,
-        spec_cutoff=args.spec_cutoff, trust_remote_code=args.trust_remote_code,
+        spec_cutoff=args.spec_cutoff, cuda_graphs=args.cuda_graphs == "on", trust_remote_code=args.trust_remote_code,
     )
 
 

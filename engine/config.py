@@ -47,4 +47,5 @@ class EngineConfig:
     spec_confidence: float = 0.0
     spec_cutoff: int | None = None
     spec_adaptive_accept: float | None = None  # SS-MoE tolerance T: lossy, opt-in only
+    cuda_graphs: bool = True  # replay one-token decode steps as CUDA graphs when nothing needs the host
     trust_remote_code: bool = False

@@ -5,25 +5,32 @@ from typing import Callable, Protocol
 
 import torch
 
+from engine.graphs import GraphedDecode
 from engine.kv_cache import KVCache
 from engine.messages import TokenLogprob
 from engine.sampling import apply_penalties, draw, target_distribution, token_logprob
 from engine.sequence import Sequence
 
 
+_GRAPHABLE_KWARGS = {"last_only", "moe_top_r"}  # a hook like on_attention_output needs eager mode
+
+
 class BoundModel:
     """A model bound to one KV cache: forward() continues from wherever the cache ends."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device,
-                 on_forward: Callable[[int], None] | None = None) -> None:
+                 on_forward: Callable[[int], None] | None = None, graphs: GraphedDecode | None = None) -> None:
         self.model, self.kv, self.device = model, kv, device
         self.on_forward = on_forward  # told the start position of each forward (routing traces)
+        self.graphs = graphs  # one-token forwards replay CUDA graphs when set
 
     def forward(self, ids: list[int], **model_kwargs) -> torch.Tensor:
         """Run ids at positions kv.length.. and return fp32 logits [T, V] on the CPU."""
         start = self.kv.length
         if self.on_forward is not None:
             self.on_forward(start)
+        if self.graphs is not None and len(ids) == 1 and set(model_kwargs) <= _GRAPHABLE_KWARGS:
+            return self.graphs.forward(ids[0], model_kwargs.get("moe_top_r")).float().cpu()
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         return self.model(input_ids, start, self.kv, **model_kwargs).float().cpu()
 

@@ -43,6 +43,15 @@ class KVCache:
         self.values[layer, start:end] = v
         return self.keys[layer, :end], self.values[layer, :end]
 
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [T, n_kv, D] at a device tensor of positions [T] and return the first `span`
+        keys/values [span, n_kv, D]: fixed shapes whatever the positions, so CUDA graphs can
+        capture it. Entries past the positions are masked by the caller."""
+        self.keys[layer].index_copy_(0, positions, k)
+        self.values[layer].index_copy_(0, positions, v)
+        return self.keys[layer, :span], self.values[layer, :span]
+
     def truncate(self, length: int) -> None:
         """Forget every position >= length (speculative rollback)."""
         if not 0 <= length <= self.length:

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.decode import BoundModel, Decoder, PlainDecoder
 from engine.experts.runner import CachedExpertRunner
 from engine.experts.stats import LayerStats, StatsSnapshot
+from engine.graphs import GraphedDecode
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_dtype
 from engine.messages import MetricsSnapshot
@@ -93,12 +94,25 @@ class Runtime:
             "model": cfg.model, "device": cfg.device, "architecture": self.model_config.architecture,
             "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
             "prefetch": cfg.prefetch, "spec": cfg.spec, "max_model_len": self.max_model_len,
+            "cuda_graphs": self.target.graphs is not None,
             "cache_slots": self.runner.cache.capacity if self.runner is not None else 0,
         }
 
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+
+
+def _graphs(config: EngineConfig, model, kv: KVCache, runner: CachedExpertRunner | None) -> GraphedDecode | None:
+    """CUDA graphs for one-token steps, where nothing in such a step needs the host."""
+    if not (config.cuda_graphs and kv.keys.is_cuda and model.supports_static_forward):
+        return None
+    if runner is None:
+        return GraphedDecode(model, kv)
+    if not runner.graph_safe:
+        return None
+    top_k = model.config.top_k
+    return GraphedDecode(model, kv, count_token=lambda top_r: runner.count_replayed_token(top_r or top_k))
 
 
 def build_runtime(config: EngineConfig) -> Runtime:
@@ -116,7 +130,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
         runner.set_router_weights(loaded.model.router_weights())
     max_len = min(config.max_model_len, loaded.config.max_position_embeddings)
     kv = KVCache.for_model(loaded.config, max_len, device=device, dtype=dtype)
-    target = BoundModel(loaded.model, kv, device)
+    target = BoundModel(loaded.model, kv, device, graphs=_graphs(config, loaded.model, kv, runner))
     decoder = PlainDecoder(target)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype)})
     return Runtime(config, loaded.config, target, runner, decoder, max_len)

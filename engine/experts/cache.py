@@ -210,8 +210,18 @@ class ExpertCache:
         self._copier = _CudaCopier(self.device, copy_fn) if cuda else _HostCopier(copy_fn)
         self._ready: dict[Key, Ready] = {}  # copy handle of each in-flight key
         self._released: dict[int, torch.cuda.Event] = {}  # slot -> marker after its last read
+        # every expert resident: a device-side (layer, expert) -> slot map lets compute skip the host
+        self.resident_slots: torch.Tensor | None = None  # [L, E] int64 on device
         if self.capacity == total:
             self._preload(store.num_layers, store.num_experts)
+            self.resident_slots = torch.tensor(
+                [[self._table.slot_of((l, e)) for e in range(store.num_experts)] for l in range(store.num_layers)],
+                dtype=torch.long, device=self.device)
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """The slot allocation [S, numel] (compute reads rows of it)."""
+        return self._slots
 
     @property
     def resident_experts(self) -> int:
@@ -235,7 +245,10 @@ class ExpertCache:
                     wave = self._wave(layer, plan.hits, plan.misses.placed, plan.misses.unplaced)
                     break
                 blocker = self._oldest_in_flight()
-            blocker.synchronize()  # every unpinned slot is still being filled: let one land
+            try:
+                blocker.synchronize()  # every unpinned slot is still being filled: let one land
+            except RuntimeError:
+                pass  # that prefetch failed: the refresh drops it, the worker reports the error
         try:
             work()
         except BaseException:

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig, parse_budget
 from engine.experts.cache import CopyFn, ExpertCache, ExpertSource, Wave, copy_row
-from engine.experts.compute import accumulate_experts
+from engine.experts.compute import accumulate_experts, gathered_experts
 from engine.experts.policies import MRSPolicy, make_policy
 from engine.experts.predictor import NextLayerPredictor, token_topk
 from engine.experts.prefetch import PrefetchWorker
@@ -46,6 +46,7 @@ class CachedExpertRunner:
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown prefetch mode {prefetch!r}; choose one of {', '.join(PREFETCH_MODES)}")
         self.layout = store.layout
+        self.num_layers = store.num_layers
         self.top_k = top_k
         self.prefetch_depth = prefetch_depth
         eviction = make_policy(policy, top_k)
@@ -76,6 +77,8 @@ class CachedExpertRunner:
             raise RuntimeError("prefetch='next-layer' needs set_router_weights(model.router_weights()) first")
         self._runs += 1
         layer = routing.layer
+        if self.graph_safe and x.shape[0] == 1:
+            return self._run_resident(x, routing)
         experts = self._needed(routing)
         if self._predictor is not None:
             self._predictor.record_used(layer, experts)
@@ -92,6 +95,27 @@ class CachedExpertRunner:
             if not wave.leftover:
                 return out
             wave = self.cache.acquire(layer, wave.leftover)
+
+    @property
+    def graph_safe(self) -> bool:
+        """Every expert resident and no per-layer observer: one-token layers need no host sync."""
+        return self.cache.resident_slots is not None and self._observer is None
+
+    def _run_resident(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
+        """One token, every expert resident: no host sync, so CUDA graphs can capture it.
+
+        Counted as the token's k distinct experts, all hits; while a graph is being captured
+        nothing is counted — a replay runs no Python, so the graph's owner counts replays."""
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.cache.stats.add(routing.layer, hits=routing.expert_ids.shape[1])
+        slot_ids = self.cache.resident_slots[routing.layer][routing.expert_ids]  # [1, k]
+        return gathered_experts(x, routing.expert_ids, routing.expert_weights, self.cache.slots, slot_ids,
+                                self.layout)
+
+    def count_replayed_token(self, experts_per_layer: int) -> None:
+        """Book one token replayed by a CUDA graph: each MoE layer used that many resident experts."""
+        for layer in range(self.num_layers):
+            self.cache.stats.add(layer, hits=experts_per_layer)
 
     def finish_step(self) -> None:
         """Call once per engine step, after the step's natural sync (the sampled token was read)."""

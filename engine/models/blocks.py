@@ -34,6 +34,8 @@ class _Step:
     runner: ExpertRunner | None
     moe_top_r: int | None
     on_attention_output: AttentionHook | None
+    positions: torch.Tensor | None = None  # [T] on device: static-shape (graph) forward
+    span: int = 0  # keys every query attends over in a static-shape forward
 
 
 class RMSNorm(nn.Module):
@@ -92,7 +94,10 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
-        keys, values = step.kv.write(self.layer, step.start, k, v)  # [S, nkv, D] each
+        if step.positions is None:
+            keys, values = step.kv.write(self.layer, step.start, k, v)  # [S, nkv, D] each
+        else:
+            keys, values = step.kv.write_at(self.layer, step.positions, k, v, step.span)  # [span, nkv, D]
         mask = step.masks[self.window]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),  # [nq, T, D]
@@ -162,6 +167,16 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, MoEBlock):
             return h + self.mlp(y, step.runner, step.moe_top_r)
         return h + self.mlp(y)
+
+
+def static_attention_mask(positions: torch.Tensor, span: int, window: int | None) -> torch.Tensor:
+    """Bool mask [T, span] for queries at device positions [T] over keys 0..span-1 (graph safe)."""
+    q_pos = positions[:, None]  # [T, 1]
+    k_pos = torch.arange(span, device=positions.device)[None, :]  # [1, span]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
 
 
 def attention_mask(start: int, length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -244,10 +259,32 @@ class CausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(start_pos, t, self.dtype)
         masks = {w: attention_mask(start_pos, t, w, self.device) for w in set(self.config.attention_windows)}
         step = _Step(start_pos, kv, cos, sin, masks, self.runner, moe_top_r, on_attention_output)
+        logits = self._layers_and_head(input_ids, step, last_only)
+        kv.length = start_pos + t
+        return logits
+
+    @property
+    def supports_static_forward(self) -> bool:
+        """Dynamic-NTK RoPE depends on the host-side sequence length, so it cannot be captured."""
+        return self.config.rope.rope_type != "dynamic"
+
+    @torch.inference_mode()
+    def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, span: int, kv: KVCache, *,
+                       moe_top_r: int | None = None) -> torch.Tensor:
+        """Logits [T, V] with every shape fixed by (T, span) and positions a device tensor [T].
+
+        What a CUDA graph captures: queries attend over the first `span` cache entries, masked by
+        position. Leaves kv.length alone (the caller advances it after a replay).
+        """
+        cos, sin = self.rotary.cos_sin_at(positions, self.dtype)
+        masks = {w: static_attention_mask(positions, span, w) for w in set(self.config.attention_windows)}
+        step = _Step(0, kv, cos, sin, masks, self.runner, moe_top_r, None, positions, span)
+        return self._layers_and_head(input_ids, step, last_only=False)
+
+    def _layers_and_head(self, input_ids: torch.Tensor, step: _Step, last_only: bool) -> torch.Tensor:
         x = self.embed(input_ids)  # [T, H]
         for layer in self.layers:
             x = layer(x, step)
-        kv.length = start_pos + t
         if last_only:
             x = x[-1:]
         return self.lm_head(self.norm(x))  # [T, V]

@@ -155,8 +155,14 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = self.inv_freq
         if self.rope.rope_type == "dynamic":
             inv_freq = rope_frequencies(self.rope, self.head_dim, start + length)[0].to(inv_freq.device)
-        positions = torch.arange(start, start + length, device=inv_freq.device, dtype=torch.float32)  # [T]
-        freqs = positions[:, None] * inv_freq[None, :]  # [T, D/2]
+        positions = torch.arange(start, start + length, device=inv_freq.device)  # [T]
+        return self.cos_sin_at(positions, dtype, inv_freq)
+
+    def cos_sin_at(self, positions: torch.Tensor, dtype: torch.dtype,
+                   inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a device tensor of positions [T] (no host values: CUDA-graph safe)."""
+        inv_freq = self.inv_freq if inv_freq is None else inv_freq
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         cos = (emb.cos() * self.scaling).to(dtype)[:, None, :]
         sin = (emb.sin() * self.scaling).to(dtype)[:, None, :]
