@@ -1,0 +1,87 @@
+"""Killing the engine process: in-flight requests fail cleanly, /health goes 503, the engine comes back."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import REPO, RunningServer, start_server
+
+
+@pytest.fixture(scope="module")
+def victim(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    running = start_server(tiny_model, tmp_path_factory.mktemp("logs"))
+    yield running
+    running.stop()
+
+
+def _stream_events(server: RunningServer, started: threading.Event, events: list[str]) -> None:
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 240, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                started.set()
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_killed_engine_fails_in_flight_requests_and_comes_back(victim: RunningServer) -> None:
+    [old_pid] = victim.engine_pids()
+    started, events, plain = threading.Event(), [], []
+    streamer = threading.Thread(target=_stream_events, args=(victim, started, events))
+    waiter = threading.Thread(target=lambda: plain.append(victim.post(
+        "/v1/completions", json={"model": victim.model, "prompt": "hi", "max_tokens": 240, "n": 2})))
+    streamer.start()
+    assert started.wait(30)
+    waiter.start()
+    _wait_for(lambda: "2 choices" in victim.log())  # the second request reached the engine queue
+    os.kill(old_pid, signal.SIGKILL)
+    streamer.join(30)
+    waiter.join(30)
+
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "engine_unavailable"
+    assert plain[0].status_code == 503 and plain[0].json()["error"]["type"] == "server_error"
+
+    assert victim.get("/health").status_code == 503
+    down = victim.post("/v1/completions", json={"model": victim.model, "prompt": "hi", "max_tokens": 2})
+    assert down.status_code == 503 and down.headers["retry-after"] == "1"
+
+    victim.wait_healthy(120)
+    [_, new_pid] = victim.engine_pids()
+    assert new_pid != old_pid
+    again = victim.post("/v1/completions", json={"model": victim.model, "prompt": "hi", "max_tokens": 3})
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
+    assert victim.metric('moe_requests_total{finish_reason="error"}') == 3  # the stream and both choices
+
+
+def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer but no weights
+        (broken / name).write_bytes((tiny_model / name).read_bytes())
+    with pytest.raises(RuntimeError, match="server exited with 1"):
+        start_server(broken, tmp_path)
+    log = next(tmp_path.glob("server-*.log")).read_text()
+    assert "the engine could not start" in log
+
+
+def test_missing_model_directory_is_a_clean_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "server", "--model", str(tmp_path / "nope")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "no such checkpoint directory" in done.stderr
