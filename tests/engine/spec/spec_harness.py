@@ -20,27 +20,31 @@ MAX_LEN = 64
 CPU = torch.device("cpu")
 
 
-def load_cached(path: Path, slots_beyond_top_k: int = 1) -> CausalLM:
+def load_cached(path: Path, device: torch.device = CPU, slots_beyond_top_k: int = 1) -> CausalLM:
     """An MoE tiny model whose expert cache holds only top_k + slots_beyond_top_k experts in all."""
     def runner(store: ExpertStore, config: ModelConfig) -> CachedExpertRunner:
         budget = (config.top_k + slots_beyond_top_k) * store.layout.nbytes
-        return CachedExpertRunner(store, budget, "lru", CPU, top_k=config.top_k)
+        return CachedExpertRunner(store, budget, "lru", device, top_k=config.top_k)
 
-    return load_model(path, CPU, torch.float32, runner_factory=runner, progress=False).model
+    return load_model(path, device, torch.float32, runner_factory=runner, progress=False).model
 
 
-def load_dense(path: Path) -> CausalLM:
-    return load_model(path, CPU, torch.float32, progress=False).model
+def load_dense(path: Path, device: torch.device = CPU) -> CausalLM:
+    return load_model(path, device, torch.float32, progress=False).model
+
+
+def new_kv(model: CausalLM) -> KVCache:
+    return KVCache.for_model(model.config, MAX_LEN, device=model.device, dtype=model.dtype)
 
 
 def bind(model: CausalLM) -> BoundModel:
-    return BoundModel(model, KVCache.for_model(model.config, MAX_LEN, device=CPU, dtype=model.dtype), CPU)
+    return BoundModel(model, new_kv(model), model.device)
 
 
 def prefill_kv(model: CausalLM, ids: list[int]) -> KVCache:
     """A fresh cache holding ids, computed in one forward with every expert."""
-    kv = KVCache.for_model(model.config, MAX_LEN, device=CPU, dtype=model.dtype)
-    model(torch.tensor(ids), 0, kv)
+    kv = new_kv(model)
+    model(torch.tensor(ids, device=model.device), 0, kv)
     return kv
 
 

@@ -1,0 +1,51 @@
+"""The same guarantees on CUDA, where prefetch tasks carry events and copies run on their own stream."""
+from __future__ import annotations
+
+import pytest
+import torch
+from spec_harness import (
+    assert_kv_matches_prefill,
+    bind,
+    generate,
+    load_cached,
+    load_dense,
+)
+
+from engine.decode import PlainDecoder
+from engine.experts.prefetch import PrefetchWorker
+from engine.messages import SamplingParams
+from engine.spec.config import SpecConfig
+from engine.spec.cross_model import WorkerPrefetch
+from engine.spec.draft_spec import DraftSpecDecoder
+from engine.spec.self_spec import SelfSpecDecoder
+from tests.tiny_checkpoints import MOE_FAMILIES
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+PROMPT = [9, 33, 2, 101, 54, 7]
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("mode", ["self", "draft"])
+def test_cuda_speculative_prefetch_keeps_greedy_exact(checkpoint, family: str, mode: str) -> None:
+    target = load_cached(checkpoint(family), CUDA)
+    plain = bind(target)
+    reference = generate(PlainDecoder(plain), plain, PROMPT, GREEDY).output_ids
+    cache = target.runner.cache
+    worker = PrefetchWorker(cache, lambda: 0)
+    sink = WorkerPrefetch(worker, progress=lambda: 0, lead_runs=0)
+    bound = bind(target)
+    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3), prefetch=sink) if mode == "self"
+               else DraftSpecDecoder(bound, bind(load_dense(checkpoint("llama", seed=3), CUDA)), SpecConfig(gamma=3),
+                                     prefetch=sink))
+    before = cache.stats.snapshot().total().prefetch_bytes
+    try:
+        seq = generate(decoder, bound, PROMPT, GREEDY)
+        worker.wait_idle()
+    finally:
+        worker.close()
+    assert seq.output_ids == reference
+    assert cache.stats.snapshot().total().prefetch_bytes > before
+    assert_kv_matches_prefill(bound, seq.all_ids[:-1])
