@@ -8,6 +8,7 @@ import torch
 from engine.decode import BoundModel, Decoder
 from engine.experts.runner import CachedExpertRunner
 from engine.experts.store import ExpertStore
+from engine.graphs import GraphedDecode
 from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.messages import SamplingParams
@@ -20,10 +21,10 @@ MAX_LEN = 64
 CPU = torch.device("cpu")
 
 
-def load_cached(path: Path, device: torch.device = CPU, slots_beyond_top_k: int = 1) -> CausalLM:
-    """An MoE tiny model whose expert cache holds only top_k + slots_beyond_top_k experts in all."""
+def load_cached(path: Path, device: torch.device = CPU, all_resident: bool = False) -> CausalLM:
+    """An MoE tiny model whose expert cache holds only top_k + 1 experts in all (or every expert)."""
     def runner(store: ExpertStore, config: ModelConfig) -> CachedExpertRunner:
-        budget = (config.top_k + slots_beyond_top_k) * store.layout.nbytes
+        budget = None if all_resident else (config.top_k + 1) * store.layout.nbytes
         return CachedExpertRunner(store, budget, "lru", device, top_k=config.top_k)
 
     return load_model(path, device, torch.float32, runner_factory=runner, progress=False).model
@@ -37,8 +38,10 @@ def new_kv(model: CausalLM) -> KVCache:
     return KVCache.for_model(model.config, MAX_LEN, device=model.device, dtype=model.dtype)
 
 
-def bind(model: CausalLM) -> BoundModel:
-    return BoundModel(model, new_kv(model), model.device)
+def bind(model: CausalLM, graphs: bool = False) -> BoundModel:
+    """graphs: one-token forwards replay CUDA graphs, as the runtime sets up when nothing needs the host."""
+    kv = new_kv(model)
+    return BoundModel(model, kv, model.device, graphs=GraphedDecode(model, kv) if graphs else None)
 
 
 def prefill_kv(model: CausalLM, ids: list[int]) -> KVCache:

@@ -49,3 +49,18 @@ def test_cuda_speculative_prefetch_keeps_greedy_exact(checkpoint, family: str, m
     assert seq.output_ids == reference
     assert cache.stats.snapshot().total().prefetch_bytes > before
     assert_kv_matches_prefill(bound, seq.all_ids[:-1])
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_cuda_graphed_drafts_keep_greedy_exact(checkpoint, family: str) -> None:
+    """Every expert resident: one-token drafts (top-r included) replay CUDA graphs, verify runs eager."""
+    target = load_cached(checkpoint(family), CUDA, all_resident=True)
+    plain = bind(target)
+    reference = generate(PlainDecoder(plain), plain, PROMPT, GREEDY).output_ids
+    bound = bind(target, graphs=True)
+    draft = bind(load_dense(checkpoint("llama", seed=3), CUDA), graphs=True)
+    for decoder in (SelfSpecDecoder(bound, SpecConfig(gamma=3)), DraftSpecDecoder(bound, draft, SpecConfig(gamma=3))):
+        seq = generate(decoder, bound, PROMPT, GREEDY)
+        assert seq.output_ids == reference
+        assert_kv_matches_prefill(bound, seq.all_ids[:-1])
+    assert bound.graphs.graphs and draft.graphs.graphs, "the drafts were meant to replay graphs"
