@@ -1,0 +1,40 @@
+# moe-serve on a CUDA PyTorch base: the image already has torch (2.11, CUDA 12.8), which
+# satisfies pyproject's range, so pip adds only the server's pure-Python dependencies.
+#
+#   docker build -t moe-serve .
+#   docker run --gpus all -p 8000:8000 -v /models:/models:ro moe-serve \
+#       --config configs/olmoe-1b-7b-8gb.yaml --model /models/OLMoE-1B-7B-0924-Instruct
+#
+# CPU only (no GPU on the host): build on a plain Python base and install the CPU build of
+# torch before the project, so pip does not pull the CUDA wheels:
+#   docker build --build-arg BASE=python:3.11-slim --build-arg TORCH_CPU=1 -t moe-serve:cpu .
+#   docker run -p 8000:8000 -e OMP_NUM_THREADS=4 moe-serve:cpu --device cpu
+# (set OMP_NUM_THREADS to the cores you give the container: torch's default thread pool
+# oversubscribes a CPU it shares with the server process.)
+ARG BASE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
+FROM ${BASE}
+
+ARG TORCH_CPU=0
+ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1
+
+RUN useradd --create-home --uid 1000 moe
+WORKDIR /app
+
+RUN if [ "$TORCH_CPU" = "1" ]; then pip install "torch==2.13.0" --index-url "$TORCH_CPU_INDEX"; fi
+
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY server ./server
+COPY configs ./configs
+# The project's own default model (moe-serve's --model default resolves to /app/models/default).
+COPY models ./models
+# Editable, so the package finds models/ and configs/ next to itself.
+RUN pip install -e . && chown -R moe:moe /app
+
+USER moe
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s \
+  CMD python -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"
+ENTRYPOINT ["moe-serve", "--host", "0.0.0.0", "--port", "8000"]
+CMD []
