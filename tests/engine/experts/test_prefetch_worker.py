@@ -29,11 +29,14 @@ def _routing_as_router_says(layer: int, x: torch.Tensor, weight: torch.Tensor) -
 
 
 def test_compute_never_reads_a_slot_before_its_slow_prefetch_landed(store, reference) -> None:
-    started = threading.Event()
+    started: set[int] = set()  # data_ptr of the store rows the worker began to copy
+    progress = threading.Condition()
 
     def slow_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         if _on_worker():
-            started.set()
+            with progress:
+                started.add(src.data_ptr())
+                progress.notify_all()
             time.sleep(SLOW)  # the slot still holds stale bytes meanwhile
         copy_row(dst, src)
 
@@ -44,12 +47,13 @@ def test_compute_never_reads_a_slot_before_its_slow_prefetch_landed(store, refer
                                 prefetch="next-layer", copy_fn=slow_copy)
     runner.set_router_weights(weights)
     x = torch.randn(1, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [1, H]
-    for layer in range(store.num_layers):
-        routing = _routing_as_router_says(layer, x, weights[layer])
+    routings = [_routing_as_router_says(layer, x, weights[layer]) for layer in range(store.num_layers)]
+    for layer, routing in enumerate(routings):
         torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
-        if layer + 1 < store.num_layers:
-            assert started.wait(5), "the worker never started the next layer's prefetch"
-            started.clear()
+        if layer + 1 < store.num_layers:  # let the worker start on the next layer before compute gets there
+            rows = {store.row(layer + 1, e).data_ptr() for e in routings[layer + 1].expert_ids[0].tolist()}
+            with progress:
+                assert progress.wait_for(lambda: rows & started, timeout=5), "the next layer was never prefetched"
     runner.finish_step()
     runner.close()
     later = runner.stats().per_layer[1:]
