@@ -30,7 +30,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-tokens", type=int, default=4, help="max draft tokens per verify (gamma)")
     parser.add_argument("--spec-top-r", type=int, default=1, help="experts per layer the self-draft uses")
     parser.add_argument("--spec-confidence", type=float, default=0.0, help="stop drafting below this max-prob")
-    parser.add_argument("--spec-cutoff", type=int, default=None, help="SP-MoE cutoff layer (default: profiled)")
+    parser.add_argument("--spec-cutoff", type=int, default=None,
+                        help="prefetch for the first N target MoE layers while drafting (default: profiled)")
+    parser.add_argument("--spec-adaptive-tokens", action="store_true",
+                        help="adapt gamma per request from recent acceptance")
+    parser.add_argument("--spec-adaptive-accept", type=float, default=None, metavar="T",
+                        help="LOSSY SS-MoE adaptive acceptance with tolerance T (off: lossless)")
     parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
                         help="replay one-token decode steps as CUDA graphs when every expert is resident")
     parser.add_argument("--trust-remote-code", action="store_true")
@@ -45,7 +50,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache_policy=args.cache_policy, prefetch=args.prefetch, prefetch_depth=args.prefetch_depth,
         max_model_len=args.max_model_len, record_routing=args.record_routing, spec=args.spec, draft=args.draft,
         spec_tokens=args.spec_tokens, spec_top_r=args.spec_top_r, spec_confidence=args.spec_confidence,
-        spec_cutoff=args.spec_cutoff, cuda_graphs=args.cuda_graphs == "on", trust_remote_code=args.trust_remote_code,
+        spec_cutoff=args.spec_cutoff, spec_adaptive_tokens=args.spec_adaptive_tokens,
+        spec_adaptive_accept=args.spec_adaptive_accept, cuda_graphs=args.cuda_graphs == "on", trust_remote_code=args.trust_remote_code,
     )
 
 

@@ -5,8 +5,9 @@ Also the one place that turns the engine's internal counters into the numbers us
 """
 from __future__ import annotations
 
+import copy
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -16,9 +17,11 @@ from engine.experts.runner import CachedExpertRunner
 from engine.experts.stats import LayerStats, StatsSnapshot
 from engine.graphs import GraphedDecode
 from engine.kv_cache import KVCache
-from engine.loader import load_model, resolve_dtype
+from engine.loader import load_model, read_config, resolve_dtype
 from engine.messages import MetricsSnapshot
 from engine.models.config import ModelConfig
+from engine.spec.builder import build_spec_decoder
+from engine.spec.stats import SpecStats
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,9 @@ class Runtime:
     runner: CachedExpertRunner | None
     decoder: Decoder
     max_model_len: int
+    spec_stats: SpecStats = field(default_factory=SpecStats)
     _stats_base: StatsSnapshot | None = None
+    _spec_base: SpecStats = field(default_factory=SpecStats)
 
     def finish_step(self) -> None:
         if self.runner is not None:
@@ -51,6 +56,7 @@ class Runtime:
     def reset_stats(self) -> None:
         """Start a new measurement window for generation_stats (benchmarks, one prompt each)."""
         self._stats_base = self.expert_stats()
+        self._spec_base = copy.deepcopy(self.spec_stats)
 
     def generation_stats(self, *, ttft_seconds: float | None, tpot_seconds: float | None) -> dict:
         """The `stats` object of `moe-generate --json` for the current measurement window."""
@@ -65,6 +71,23 @@ class Runtime:
             "prefetch_wasted": total.prefetch_wasted,
             "tpot_seconds": tpot_seconds,
             "ttft_seconds": ttft_seconds,
+            **self._spec_window(),
+        }
+
+    def _spec_window(self) -> dict:
+        if self.config.spec == "off":
+            return {}
+        now, base = self.spec_stats, self._spec_base
+        drafted = now.draft_tokens - base.draft_tokens
+        accepted = now.accepted_tokens - base.accepted_tokens
+        drafts = now.drafts - base.drafts
+        needed = sum(now.needed_per_layer) - sum(base.needed_per_layer)
+        predicted = sum(now.predicted_needed_per_layer) - sum(base.predicted_needed_per_layer)
+        return {
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": accepted / drafts if drafts else 0.0,
+            "prediction_accuracy": predicted / needed if needed else None,
+            "verify_steps": now.verify_steps - base.verify_steps,
         }
 
     def metrics_snapshot(self, *, num_running: int, num_waiting: int, tpot_samples: tuple[float, ...]) -> MetricsSnapshot:
@@ -79,9 +102,9 @@ class Runtime:
             pcie_wait_seconds=total.pcie_wait_seconds,
             prefetch_used=total.prefetch_used,
             prefetch_wasted=total.prefetch_wasted,
-            spec_drafts=0,
-            spec_draft_tokens=0,
-            spec_accepted_tokens=0,
+            spec_drafts=self.spec_stats.drafts,
+            spec_draft_tokens=self.spec_stats.draft_tokens,
+            spec_accepted_tokens=self.spec_stats.accepted_tokens,
             cpu_expert_computations=0,
             num_running=num_running,
             num_waiting=num_waiting,
@@ -115,7 +138,21 @@ def _graphs(config: EngineConfig, model, kv: KVCache, runner: CachedExpertRunner
     return GraphedDecode(model, kv, count_token=lambda top_r: runner.count_replayed_token(top_r or top_k))
 
 
+def _with_prefetch_fallback(config: EngineConfig) -> EngineConfig:
+    """SP-MoE predicts the target's experts from the draft's hidden states, which needs equal
+    hidden sizes; without that the next-layer predictor is the prefetcher (said at start-up)."""
+    if config.spec != "draft" or not config.draft or config.prefetch != "none":
+        return config
+    target, draft = read_config(config.model), read_config(config.draft)
+    if not target.is_moe or target.hidden_size == draft.hidden_size:
+        return config
+    log.warning("draft hidden size %d != target %d: cross-model prediction is off, using --prefetch next-layer",
+                draft.hidden_size, target.hidden_size)
+    return replace(config, prefetch="next-layer")
+
+
 def build_runtime(config: EngineConfig) -> Runtime:
+    config = _with_prefetch_fallback(config)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     runners: list[CachedExpertRunner] = []
@@ -131,6 +168,15 @@ def build_runtime(config: EngineConfig) -> Runtime:
     max_len = min(config.max_model_len, loaded.config.max_position_embeddings)
     kv = KVCache.for_model(loaded.config, max_len, device=device, dtype=dtype)
     target = BoundModel(loaded.model, kv, device, graphs=_graphs(config, loaded.model, kv, runner))
-    decoder = PlainDecoder(target)
-    log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype)})
-    return Runtime(config, loaded.config, target, runner, decoder, max_len)
+    spec_stats = SpecStats()
+    decoder: Decoder = PlainDecoder(target)
+    if config.spec != "off":
+        def load_draft() -> BoundModel:
+            draft = load_model(config.draft, device, dtype).model
+            draft_kv = KVCache.for_model(draft.config, max_len, device=device, dtype=dtype)
+            return BoundModel(draft, draft_kv, device, graphs=_graphs(config, draft, draft_kv, None))
+
+        decoder = build_spec_decoder(config, target, runner, load_draft, spec_stats)
+    log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),
+                                  "spec": config.spec})
+    return Runtime(config, loaded.config, target, runner, decoder, max_len, spec_stats)

@@ -30,4 +30,5 @@ class SpecConfig:
     @classmethod
     def from_engine(cls, config: EngineConfig) -> SpecConfig:
         return cls(gamma=config.spec_tokens, top_r=config.spec_top_r, confidence=config.spec_confidence,
-                   cutoff=config.spec_cutoff, adaptive_tolerance=config.spec_adaptive_accept)
+                   cutoff=config.spec_cutoff, adaptive_tolerance=config.spec_adaptive_accept,
+                   adaptive_gamma=config.spec_adaptive_tokens)

@@ -116,3 +116,16 @@ def test_moe_generate_json(checkpoints):
     for key in ("expert_hits", "expert_misses", "hit_rate", "pcie_bytes", "pcie_wait_seconds", "tpot_seconds", "ttft_seconds"):
         assert key in result["stats"]
     assert "text" not in result  # the tiny checkpoint has no tokenizer
+
+
+@pytest.mark.parametrize("spec", ["self", "draft"])
+def test_speculative_runtime_equals_plain_greedy(checkpoints, tmp_path, spec):
+    draft = None
+    if spec == "draft":
+        draft = str(build_tiny_checkpoint("qwen3", tmp_path / "draft"))
+    config = EngineConfig(model=checkpoints["qwen3_moe"], gpu_expert_budget="40%", spec=spec, draft=draft,
+                          spec_tokens=3)
+    tokens, stats = greedy(config)
+    assert tokens == hf_greedy("qwen3_moe")
+    assert stats["verify_steps"] > 0
+    assert 0.0 <= stats["acceptance_rate"] <= 1.0
