@@ -116,6 +116,15 @@ def test_dense_model_has_no_store_and_needs_no_runner(tmp_path: Path) -> None:
     assert loaded.store is None and loaded.config.family == "llama"
 
 
+def test_tied_checkpoint_that_also_stores_lm_head_loads(tmp_path: Path) -> None:
+    path = build_tiny_checkpoint("llama", tmp_path / "llama")  # tie_word_embeddings=True
+    before = _logits(load_model(path, progress=False))
+    _edit(path, lambda t: t.__setitem__("lm_head.weight", t["model.embed_tokens.weight"].clone()))
+    loaded = load_model(path, progress=False)
+    assert loaded.model.lm_head.weight is loaded.model.embed.weight
+    torch.testing.assert_close(_logits(loaded), before, atol=0, rtol=0)
+
+
 def test_moe_model_needs_a_runner_factory(qwen2_moe: Path) -> None:
     with pytest.raises(ValueError, match="runner_factory"):
         load_model(qwen2_moe, progress=False)
