@@ -98,6 +98,7 @@ class EngineClient:
         self._closing.set()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
+        self._engine = None  # lets the queues' semaphores be released before the interpreter exits
 
     # ---- supervisor thread ----------------------------------------------------------------
 

@@ -24,8 +24,15 @@ def victim(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     running.stop()
 
 
+STREAM_CHOICES = 8  # 8 x 240 tokens: seconds of work for the engine, so the kill lands mid-stream
+
+
+def _finished(server: RunningServer, reason: str) -> float:
+    return server.metric(f'moe_requests_total{{finish_reason="{reason}"}}')
+
+
 def _stream_events(server: RunningServer, started: threading.Event, events: list[str]) -> None:
-    body = {"model": server.model, "prompt": "hello", "max_tokens": 240, "stream": True}
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 240, "n": STREAM_CHOICES, "stream": True}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):
@@ -42,6 +49,7 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
 
 def test_killed_engine_fails_in_flight_requests_and_comes_back(victim: RunningServer) -> None:
     [old_pid] = victim.engine_pids()
+    finished_before = sum(_finished(victim, r) for r in ("stop", "length", "error"))
     started, events, plain = threading.Event(), [], []
     streamer = threading.Thread(target=_stream_events, args=(victim, started, events))
     waiter = threading.Thread(target=lambda: plain.append(victim.post(
@@ -62,12 +70,15 @@ def test_killed_engine_fails_in_flight_requests_and_comes_back(victim: RunningSe
     down = victim.post("/v1/completions", json={"model": victim.model, "prompt": "hi", "max_tokens": 2})
     assert down.status_code == 503 and down.headers["retry-after"] == "1"
 
+    # every choice is accounted for; the waiter's two and the stream's unfinished ones as errors
+    assert sum(_finished(victim, r) for r in ("stop", "length", "error")) == finished_before + STREAM_CHOICES + 2
+    assert _finished(victim, "error") >= 3
+
     victim.wait_healthy(120)
     [_, new_pid] = victim.engine_pids()
     assert new_pid != old_pid
     again = victim.post("/v1/completions", json={"model": victim.model, "prompt": "hi", "max_tokens": 3})
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
-    assert victim.metric('moe_requests_total{finish_reason="error"}') == 3  # the stream and both choices
 
 
 def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: Path) -> None:
