@@ -1,8 +1,6 @@
 """KV cache bookkeeping, and speculative rollback: truncate then re-decode equals a fresh prefill."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
