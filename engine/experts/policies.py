@@ -3,13 +3,13 @@
 Plain Python, no torch: the live ExpertCache (through SlotTable) and the offline replay use the
 same objects, so a hit rate measured by replay is the hit rate the server would see.
 
-Every policy ranks candidates by a tuple and evicts the smallest; the last element of the tuple
-is the last-use stamp, so ties always fall back to LRU (temporal locality dominates MoE routing,
-see the EBCO report).
+LFU and MRS rank candidates by a tuple whose last element is the last-use stamp, so their ties
+fall back to LRU (temporal locality dominates MoE routing, see the EBCO report).
 """
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -25,11 +25,14 @@ class EvictionPolicy(Protocol):
     def touch(self, key: Key) -> None:
         """Compute used `key`."""
 
+    def evicted(self, key: Key) -> None:
+        """`key` left the cache."""
+
     def observe_scores(self, layer: int, scores: Sequence[float]) -> None:
         """Router scores of one run of `layer`, one float per expert."""
 
     def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
-        """Up to `n` of `candidates` to evict, first victim first."""
+        """Up to `n` of `candidates` (resident keys) to evict, first victim first."""
 
 
 class LRUPolicy:
@@ -38,6 +41,7 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._clock = 0
         self._stamp: dict[Key, int] = {}
+        self._recency: OrderedDict[Key, None] = OrderedDict()  # resident keys, least recent first
 
     def admit(self, key: Key) -> None:
         self._bump(key)
@@ -45,21 +49,41 @@ class LRUPolicy:
     def touch(self, key: Key) -> None:
         self._bump(key)
 
+    def evicted(self, key: Key) -> None:
+        self._recency.pop(key, None)
+
     def observe_scores(self, layer: int, scores: Sequence[float]) -> None:
         pass  # recency only
 
     def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
-        return heapq.nsmallest(n, candidates, key=self._rank)
+        # walk from the least recent end: only pinned / in-flight keys are skipped, so this is
+        # O(n) in practice where a full ranking would be O(cache size) per miss
+        picked: list[Key] = []
+        for key in self._recency:
+            if len(picked) == n:
+                break
+            if key in candidates:
+                picked.append(key)
+        return picked
 
     def _bump(self, key: Key) -> None:
         self._clock += 1
         self._stamp[key] = self._clock
+        self._recency[key] = None
+        self._recency.move_to_end(key)
+
+
+class _RankedPolicy(LRUPolicy):
+    """Evicts the smallest `_rank`, a tuple ending in the last-use stamp (ties -> LRU)."""
+
+    def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
+        return heapq.nsmallest(n, candidates, key=self._rank)
 
     def _rank(self, key: Key) -> tuple:
-        return (self._stamp.get(key, 0),)
+        raise NotImplementedError
 
 
-class LFUPolicy(LRUPolicy):
+class LFUPolicy(_RankedPolicy):
     """Least frequently used over the whole run (counts survive eviction); ties -> LRU."""
 
     def __init__(self) -> None:
@@ -74,7 +98,7 @@ class LFUPolicy(LRUPolicy):
         return (self._uses.get(key, 0), self._stamp.get(key, 0))
 
 
-class MRSPolicy(LRUPolicy):
+class MRSPolicy(_RankedPolicy):
     """HybriMoE Minus Recent Score: S = alpha * TopP(s) + (1 - alpha) * S per layer.
 
     s are the router scores of the layer's latest run; only its top-p entries accumulate (p is

@@ -52,6 +52,7 @@ class SlotTable:
         self._pins: dict[Key, int] = {}
         self._in_flight: set[Key] = set()
         self._unused_prefetch: set[Key] = set()
+        self._evictable: set[Key] = set()  # resident, unpinned, landed: kept up to date, not recomputed
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -75,6 +76,7 @@ class SlotTable:
         if key not in self._slot:
             raise KeyError(f"cannot pin {key}: not resident")
         self._pins[key] = self._pins.get(key, 0) + 1
+        self._evictable.discard(key)
 
     def unpin(self, key: Key) -> None:
         count = self._pins.get(key, 0)
@@ -82,19 +84,20 @@ class SlotTable:
             raise KeyError(f"cannot unpin {key}: not pinned")
         if count == 1:
             del self._pins[key]
+            self._mark_if_evictable(key)
         else:
             self._pins[key] = count - 1
 
     def complete(self, key: Key) -> None:
         """The copy into `key`'s slot is known to be done (or ordered before every reader)."""
         self._in_flight.discard(key)
+        self._mark_if_evictable(key)
 
     def drop(self, key: Key) -> None:
         """Forget `key` without counting an eviction: its copy failed, the slot holds garbage."""
-        self._free.append(self._slot.pop(key))
         self._pins.pop(key, None)
         self._in_flight.discard(key)
-        self._unused_prefetch.discard(key)
+        self._evict(key)
 
     def use(self, key: Key) -> bool:
         """Compute is about to read `key`; True when this is the first use of a prefetched expert."""
@@ -104,8 +107,8 @@ class SlotTable:
             return True
         return False
 
-    def evictable(self) -> list[Key]:
-        return [k for k in self._slot if k not in self._pins and k not in self._in_flight]
+    def evictable(self) -> set[Key]:
+        return self._evictable
 
     def place(self, keys: Sequence[Key], *, pin: bool, prefetched: bool) -> Placement:
         """Give each non-resident key a slot, in order, evicting through the policy as needed."""
@@ -131,6 +134,10 @@ class SlotTable:
         in_flight = [k for k in hits if k in self._in_flight]
         return WavePlan(hits=hits, hits_in_flight=in_flight, prefetch_used=prefetch_used, misses=misses)
 
+    def _mark_if_evictable(self, key: Key) -> None:
+        if key in self._slot and key not in self._pins and key not in self._in_flight:
+            self._evictable.add(key)
+
     def _occupy(self, key: Key, *, pin: bool, prefetched: bool) -> int:
         slot = self._free.pop()
         self._slot[key] = slot
@@ -147,4 +154,6 @@ class SlotTable:
         self._free.append(slot)
         wasted = key in self._unused_prefetch
         self._unused_prefetch.discard(key)
+        self._evictable.discard(key)
+        self.policy.evicted(key)
         return Eviction(key=key, slot=slot, wasted_prefetch=wasted)

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.experts.policies import LRUPolicy
 from engine.experts.slots import SlotTable
@@ -83,3 +85,36 @@ def test_drop_frees_the_slot_without_an_eviction() -> None:
     table.drop((0, 0))
     assert len(table) == 0 and not table.is_pinned((0, 0))
     assert table.place([(0, 1)], pin=False, prefetched=False).evictions == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["place", "pin", "unpin", "complete", "prefetch"]),
+                          st.integers(0, 5)), max_size=60))
+def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> None:
+    """Whatever happens, victims are only unpinned landed residents, and LRU evicts the oldest."""
+    table = SlotTable(3, LRUPolicy())
+    last_use: dict[tuple[int, int], int] = {}
+    for clock, (op, e) in enumerate(ops):
+        key = (0, e)
+        resident, pinned, flying = key in table, table.is_pinned(key), table.is_in_flight(key)
+        if op in ("place", "prefetch") and not resident:
+            expected_victim = min((k for k in _should_be_evictable(table)), key=last_use.get, default=None)
+            placement = table.place([key], pin=op == "place", prefetched=op == "prefetch")
+            for eviction in placement.evictions:
+                assert eviction.key == expected_victim
+            last_use[key] = clock
+        elif op == "pin" and resident:
+            table.use(key)
+            table.pin(key)
+            last_use[key] = clock
+        elif op == "unpin" and pinned:
+            table.unpin(key)
+        elif op == "complete" and flying:
+            table.complete(key)
+        assert table.evictable() == _should_be_evictable(table)
+        assert len(table) <= table.capacity
+
+
+def _should_be_evictable(table: SlotTable) -> set[tuple[int, int]]:
+    return {(0, e) for e in range(6)
+            if (0, e) in table and not table.is_pinned((0, e)) and not table.is_in_flight((0, e))}
