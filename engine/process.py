@@ -29,7 +29,7 @@ def run_engine(config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> None:
         from engine.core import EngineCore  # imported here so a broken model import is an EngineFailed too
 
         core = EngineCore(config)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the server as EngineFailed
         traceback.print_exc()
         outbox.put(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return

@@ -69,15 +69,22 @@ def config_argv(path: Path, parser: argparse.ArgumentParser) -> list[str]:
         action = actions.get(str(key))
         if action is None or key in ("config", "help"):
             parser.error(f"--config {path}: unknown key '{key}' (keys are moe-serve flag names without '--')")
-        if value is None or value is False:
+        if value is None:
             continue
         if action.nargs == 0:  # a switch such as --trust-remote-code
-            if value is not True:
+            if not isinstance(value, bool):
                 parser.error(f"--config {path}: '{key}' is a switch; use true or false")
-            argv.append(f"--{key}")
+            argv += [f"--{key}"] if value else []
         else:
-            argv += [f"--{key}", str(value)]
+            argv += [f"--{key}", _flag_value(value)]
     return argv
+
+
+def _flag_value(value: object) -> str:
+    """YAML 1.1 reads on/off/yes/no as booleans; give flags such as --cuda-graphs their word back."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:

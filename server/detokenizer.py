@@ -1,7 +1,7 @@
 """Incremental detokenisation: token ids in, text deltas out, never half a UTF-8 character."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 REPLACEMENT = "\ufffd"
 

@@ -16,8 +16,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.messages import (AbortRequest, EngineFailed, EngineReady, GenerateRequest, MetricsSnapshot,
-                             RequestOutput, Shutdown)
+from engine.messages import (
+    AbortRequest,
+    EngineFailed,
+    EngineReady,
+    GenerateRequest,
+    MetricsSnapshot,
+    RequestOutput,
+    Shutdown,
+)
 from engine.process import run_engine
 
 log = logging.getLogger("moe_serve")

@@ -23,6 +23,8 @@ UNSUPPORTED_FIELDS = frozenset({
     "metadata", "service_tier", "reasoning_effort", "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier",
 })
+# pydantic's names for union members, which appear in error locations but are not fields
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 @dataclass
@@ -76,9 +78,6 @@ def _field_path(loc: tuple) -> list[str]:
                                      and part not in _TYPE_TAGS):
             path.append(str(part))
     return path
-
-
-_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def install_error_handlers(app: FastAPI) -> None:

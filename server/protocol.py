@@ -51,7 +51,7 @@ class GenerationFields(_Strict):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None  # extension (vLLM's spelling); 0 = off
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1 - MAX_N)] | None = None  # n choices use seed + i
     stop: StopField = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     stream: bool | None = None

@@ -1,7 +1,8 @@
 """OpenAI response bodies, byte-for-byte in the shapes the API documents (chat and completions)."""
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from engine.messages import TokenLogprob
 from server.choice import ChoiceDelta

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from engine.messages import EngineReady
-
 from server.errors import APIError, engine_unavailable, validation_error
 from server.prompts import chat_prompts, completion_prompts, make_plan
 from server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
@@ -18,6 +18,7 @@ from server.state import AppState, require_api_key
 
 log = logging.getLogger("moe_serve")
 router = APIRouter()
+Body = TypeVar("Body", bound=GenerationFields)
 
 
 @router.post("/v1/chat/completions")
@@ -40,7 +41,7 @@ async def completions(request: Request) -> Response:
     return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> GenerationFields:
+async def _parse(request: Request, model: type[Body]) -> Body:
     """JSON whatever the Content-Type says (curl -d sends form-encoded); 400 on anything malformed."""
     try:
         body = model.model_validate_json(await request.body())

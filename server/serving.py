@@ -41,7 +41,7 @@ class Envelope:
     fmt: ResponseFormat
 
     @classmethod
-    def new(cls, fmt: ResponseFormat, model: str) -> "Envelope":
+    def new(cls, fmt: ResponseFormat, model: str) -> Envelope:
         return cls(f"{fmt.id_prefix}{uuid.uuid4().hex}", int(time.time()), model, fmt)
 
     def body(self, object_name: str, choices: list[dict], **extra: object) -> dict:

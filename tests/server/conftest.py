@@ -55,7 +55,7 @@ class RunningServer:
     def metric(self, line_prefix: str, headers: dict | None = None) -> float:
         """The value of the first /metrics sample line that starts with line_prefix."""
         for line in self.get("/metrics", headers=headers or {}).text.splitlines():
-            if line.startswith(line_prefix + " ") or line.startswith(line_prefix + "{"):
+            if line.startswith((line_prefix + " ", line_prefix + "{")):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(line_prefix)
 

@@ -35,8 +35,15 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert server_settings_from_args(args).port == 9001 and not args.metrics_require_key
 
 
+def test_yaml_on_off_reach_on_off_flags(tmp_path: Path) -> None:
+    """YAML 1.1 turns a bare `off` into False; it must still mean --cuda-graphs off."""
+    args = parse_args(["--config", write(tmp_path, {"cuda-graphs": False})])
+    assert engine_config_from_args(args).cuda_graphs is False
+
+
 @pytest.mark.parametrize("data", [{"gpu_budget": "1GiB"}, {"config": "other.yaml"}, {"cache-policy": "fifo"},
-                                  {"port": "eighty"}, {"trust-remote-code": "yes"}, ["spec", "self"]])
+                                  {"port": "eighty"}, {"port": True}, {"trust-remote-code": "yes"},
+                                  ["spec", "self"]])
 def test_bad_files_are_errors(tmp_path: Path, data: object, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--config", write(tmp_path, data)])

@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.messages import (AbortRequest, EngineFailed, EngineReady, GenerateRequest, MetricsSnapshot,
-                             RequestOutput, SamplingParams, Shutdown)
+from engine.messages import (
+    AbortRequest,
+    EngineFailed,
+    EngineReady,
+    GenerateRequest,
+    MetricsSnapshot,
+    RequestOutput,
+    SamplingParams,
+    Shutdown,
+)
 from engine.process import run_engine
 
 

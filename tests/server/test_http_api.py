@@ -6,6 +6,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from server.errors import UNSUPPORTED_FIELDS
 from tests.server.conftest import MAX_MODEL_LEN, RunningServer
@@ -153,6 +155,29 @@ def test_oversized_body_is_413(server: RunningServer) -> None:
 
 def test_unknown_route_is_404_in_the_error_shape(server: RunningServer) -> None:
     assert_error(server.post("/v1/embeddings", json={}), 404, None)
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
+          "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "user", "messages", "prompt",
+          "model", "max_completion_tokens", "tools", "zzz"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from([CHAT, COMPLETIONS]), fields=st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=3))
+def test_fuzzed_bodies_never_get_a_5xx(server: RunningServer, path: str, fields: dict) -> None:
+    body = {"model": server.model, "max_tokens": 3, **({"messages": [{"role": "user", "content": "hi"}]}
+                                                        if path == CHAT else {"prompt": "hi"}), **fields}
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 3:
+        body["max_tokens"] = 3  # keep the valid ones quick
+    resp = server.post(path, json=body)
+    assert resp.status_code in (200, 400, 404), resp.text
+    if resp.status_code != 200:
+        assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
 
 def test_no_api_key_configured_means_open(server: RunningServer) -> None:
