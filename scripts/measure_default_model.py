@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus as corpus  # noqa: E402
-from train_default_model import CORPUS_PATH, DRAFT_DIR, TARGET_DIR, ResidualTap, TokenStream, tokenize  # noqa: E402
+from train_default_model import (  # noqa: E402
+    CORPUS_PATH, DRAFT_DIR, TARGET_DIR, ResidualTap, TokenStream, plain_text, tokenize)
 
 
 def overlap(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
@@ -92,12 +93,14 @@ def measure_windows(target: PreTrainedModel, draft: PreTrainedModel, windows: to
         nll["target"] += t_out.loss.item() * b * (t - 1)
         nll["draft"] += d_out.loss.item() * b * (t - 1)
         true = [logits.topk(k, dim=-1).indices for logits in t_out.router_logits]  # L x [B*T, k]
+        # copied out now: route() below runs the norms again, which re-fires the taps
+        t_residuals = [r.reshape(b * t, -1) for r in t_tap.residuals]  # L x [B*T, H]
+        d_residuals = [r.reshape(b * t, -1) for r in d_tap.residuals]
         for l in range(n_layers):
             stats.load[l] += torch.bincount(true[l].flatten(), minlength=cfg.num_experts).float()
             pairs = true[l].view(b, t, k)
             stats.add("temporal_locality", l, overlap(pairs[:, 1:].reshape(-1, k), pairs[:, :-1].reshape(-1, k)))
-            d_res = d_tap.residuals[l].reshape(b * t, -1)  # [B*T, H]
-            t_res = t_tap.residuals[l].reshape(b * t, -1)
+            d_res, t_res = d_residuals[l], t_residuals[l]
             stats.add("draft_to_target_gate", l, overlap(route(layers[l], d_res, k), true[l]))
             stats.add("residual_cosine", l, torch.cosine_similarity(d_res, t_res, dim=-1))
             if l + 1 < n_layers:
@@ -123,6 +126,38 @@ def greedy(model: PreTrainedModel, prefix: torch.Tensor, n: int) -> torch.Tensor
     return out[0, prefix.numel():]
 
 
+class GreedyDrafter:
+    """Drafts greedily with a KV cache kept across rounds and cropped to the accepted prefix,
+    as a real speculative decoder would; saves re-reading the prompt every round."""
+
+    def __init__(self, model: PreTrainedModel, prompt: torch.Tensor):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.fed: list[int] = []  # tokens whose keys/values the cache holds
+        self.pending = prompt.tolist()  # tokens the true sequence has beyond self.fed
+
+    def draft(self, n: int) -> list[int]:
+        proposal: list[int] = []
+        ids = self.pending
+        for _ in range(n):
+            logits = self.model(input_ids=torch.tensor([ids]), past_key_values=self.cache,
+                                use_cache=True).logits  # [1, len(ids), V]
+            self.fed += ids
+            proposal.append(int(logits[0, -1].argmax()))
+            ids = proposal[-1:]
+        return proposal
+
+    def advance(self, true_tokens: list[int]) -> None:
+        """true_tokens: the whole sequence now; keep the cache where it agrees with it."""
+        keep = 0
+        while keep < min(len(self.fed), len(true_tokens)) and self.fed[keep] == true_tokens[keep]:
+            keep += 1
+        if keep < len(self.fed):
+            self.cache.crop(keep - len(self.fed))  # a negative count: tokens to drop, in every version
+        self.fed = self.fed[:keep]
+        self.pending = true_tokens[keep:]
+
+
 @torch.no_grad()
 def acceptance(target: PreTrainedModel, drafter: PreTrainedModel, prompts: torch.Tensor,
                new_tokens: int, gamma: int) -> dict:
@@ -130,18 +165,18 @@ def acceptance(target: PreTrainedModel, drafter: PreTrainedModel, prompts: torch
     the target's own greedy continuation, plus one target token; simulated on that continuation."""
     drafted = accepted = rounds = emitted = 0
     for prompt in prompts:  # [P]
-        reference = greedy(target, prompt, new_tokens)  # [n <= new_tokens]
+        reference = greedy(target, prompt, new_tokens).tolist()  # n <= new_tokens tokens
+        state = GreedyDrafter(drafter, prompt)
         pos = 0
-        while pos < reference.numel():
-            n = min(gamma, reference.numel() - pos)
-            proposal = greedy(drafter, torch.cat([prompt, reference[:pos]]), n)
-            match = (proposal == reference[pos:pos + proposal.numel()]).int()
-            run = int(match.cumprod(0).sum())
-            drafted += proposal.numel()
-            accepted += run
-            rounds += 1
+        while pos < len(reference):
+            proposal = state.draft(min(gamma, len(reference) - pos))
+            run = 0
+            while run < len(proposal) and proposal[run] == reference[pos + run]:
+                run += 1
+            drafted, accepted, rounds = drafted + len(proposal), accepted + run, rounds + 1
             pos += run + 1
-        emitted += reference.numel()
+            state.advance(prompt.tolist() + reference[:pos])
+        emitted += len(reference)
     return {"acceptance_rate": round(accepted / drafted, 4), "gamma": gamma,
             "tokens_per_target_pass": round(emitted / rounds, 3), "rounds": rounds}
 
@@ -151,8 +186,7 @@ def heldout_stream(tok, corpus_path: Path) -> tuple[torch.Tensor, str]:
         docs, source = corpus.read_corpus(corpus_path), str(corpus_path)
     else:
         docs, source = corpus.collect_stdlib(corpus.stdlib_root()), f"stdlib of Python {platform.python_version()}"
-    _, heldout = corpus.split(docs)
-    return tokenize(heldout, tok, lambda d: d.text), source
+    return tokenize(corpus.split(docs, "heldout"), tok, plain_text), source
 
 
 def main() -> None:
@@ -160,7 +194,7 @@ def main() -> None:
     parser.add_argument("--target", default=str(TARGET_DIR))
     parser.add_argument("--draft", default=str(DRAFT_DIR))
     parser.add_argument("--corpus", default=str(CORPUS_PATH), help="falls back to this Python's stdlib")
-    parser.add_argument("--windows", type=int, default=96, help="held-out windows of --seq-len tokens")
+    parser.add_argument("--windows", type=int, default=64, help="held-out windows of --seq-len tokens")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=24)

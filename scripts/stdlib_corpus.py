@@ -24,7 +24,8 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN, IM_START, IM_END]  # ids 0..3, in this order
 
-HELDOUT_PERCENT = 5
+HELDOUT_PERCENT = 5  # buckets [0, 5): reported figures only
+VALIDATION_PERCENT = 3  # buckets [5, 8): early stopping during training
 CHAT_PERCENT = 20  # share of training files wrapped as a chat turn, so chat prompts get code back
 MAX_FILE_BYTES = 1_000_000  # a handful of generated tables (unicode data, topics) are skipped
 
@@ -49,8 +50,11 @@ def _bucket(relpath: str, salt: str) -> int:
     return int.from_bytes(digest[:8], "little") % 100
 
 
-def is_heldout(relpath: str) -> bool:
-    return _bucket(relpath, "heldout") < HELDOUT_PERCENT
+def split_of(relpath: str) -> str:
+    bucket = _bucket(relpath, "heldout")
+    if bucket < HELDOUT_PERCENT:
+        return "heldout"
+    return "validation" if bucket < HELDOUT_PERCENT + VALIDATION_PERCENT else "train"
 
 
 def is_chat_wrapped(relpath: str) -> bool:
@@ -89,10 +93,9 @@ def read_corpus(path: Path) -> list[Document]:
         return [Document(row["path"], row["text"]) for row in map(json.loads, f)]
 
 
-def split(docs: list[Document]) -> tuple[list[Document], list[Document]]:
-    train = [d for d in docs if not is_heldout(d.relpath)]
-    heldout = [d for d in docs if is_heldout(d.relpath)]
-    return train, heldout
+def split(docs: list[Document], name: str) -> list[Document]:
+    """The files of one split, "train", "validation" or "heldout", in corpus order."""
+    return [d for d in docs if split_of(d.relpath) == name]
 
 
 def module_name(relpath: str) -> str:
