@@ -1,0 +1,129 @@
+"""SP-MoE's cutoff layer, swept: TPOT of `--spec draft` for spec_cutoff = 0..num_moe_layers and automatic.
+
+    python bench/cutoff_sweep.py --out $OUT                      # default model, 352 MB experts, 25% budget
+    python bench/cutoff_sweep.py --device cpu --smoke --prompts 2 --tokens 8 --out /tmp/sweep
+
+SP-MoE (Fig. 14) finds TPOT U-shaped in the cutoff: too few prefetched layers leave misses to
+the verify pass, too many push copies past the draft phase and evict experts the verify needs.
+The sweep says whether this model shows that, and whether the automatic choice (profiled at
+start-up, engine/spec/cutoff.py) is within 10% of the best. Writes cutoff_sweep.json/.md/.png.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import suite  # noqa: E402
+from bench.baselines import free_device  # noqa: E402
+from bench.floor import measure_bandwidths, step_bytes  # noqa: E402
+from bench.report import write_outputs  # noqa: E402
+from bench.rows import RowResult, failed_row, guarded, time_engine_decode  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.loader import read_config, resolve_dtype  # noqa: E402
+
+AUTO = "cutoff=auto"
+
+
+class ChosenCutoff(logging.Handler):
+    """The cutoff the engine chose at start-up, read from the spec builder's one log line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.value: int | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("SP-MoE draft: cross-model prefetch"):
+            self.value = int(record.args[0])
+
+
+def verdict(rows: list[RowResult], num_moe_layers: int, auto_cutoff: int | None) -> dict:
+    """U-shape: the best fixed cutoff lies strictly inside and both ends are >= 5% slower than it."""
+    swept = {int(r.name.split("=")[1]): r.tpot_median_s for r in rows
+             if r.name != AUTO and r.tpot_median_s == r.tpot_median_s}
+    auto = next((r.tpot_median_s for r in rows if r.name == AUTO and r.tpot_median_s == r.tpot_median_s), None)
+    if not swept:
+        return {}
+    best = min(swept, key=swept.get)
+    ends = [swept[c] for c in (0, num_moe_layers) if c in swept]
+    return {
+        "best_cutoff": best, "best_tpot_s": swept[best], "auto_cutoff": auto_cutoff, "auto_tpot_s": auto,
+        "u_shaped": 0 < best < num_moe_layers and len(ends) == 2 and min(ends) >= 1.05 * swept[best],
+        "auto_over_best": auto / swept[best] if auto is not None else None,
+        "auto_within_10pct": auto is not None and auto <= 1.10 * swept[best],
+        "end_over_best": {c: swept[c] / swept[best] for c in (0, num_moe_layers) if c in swept},
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny experts, for CPU checks")
+    parser.add_argument("--table", default="default-mixtral", choices=list(suite.EXPERT_MB))
+    parser.add_argument("--work-dir", default="/tmp/bench_models")
+    parser.add_argument("--default-model", default=str(suite.REPO / "models" / "default"))
+    parser.add_argument("--draft", default=str(suite.REPO / "models" / "default-draft"))
+    parser.add_argument("--budget", default="25%")
+    parser.add_argument("--cache-policy", default="mrs")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--deadline-s", type=float, default=540.0)
+    parser.add_argument("--min-row-s", type=float, default=20.0)
+    return parser.parse_args(argv)
+
+
+def replace_budgets(args: argparse.Namespace) -> argparse.Namespace:
+    """suite.default_setup reads the suite's argument names."""
+    return argparse.Namespace(**vars(args), budgets=[args.budget])
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    deadline = time.perf_counter() + args.deadline_s
+    device, dtype = torch.device(args.device), resolve_dtype(args.dtype, args.device)
+    setup = suite.default_setup(replace_budgets(args), args.table)
+    layers = read_config(setup.target).num_moe_layers
+    step = step_bytes(setup.target, dtype, context_tokens=args.prompt_len + args.tokens / 2)
+    bw = measure_bandwidths(device, h2d_bytes=step.expert_bytes)
+    base = EngineConfig(model=str(setup.target), device=device.type, dtype=args.dtype, max_model_len=args.max_model_len,
+                        draft=args.draft, spec="draft", gpu_expert_budget=args.budget, cache_policy=args.cache_policy)
+    chosen = ChosenCutoff()
+    logging.getLogger("engine.spec.builder").addHandler(chosen)
+    logging.getLogger("engine.spec.builder").setLevel(logging.INFO)
+    result = {"title": f"SP-MoE cutoff sweep, {setup.title}, budget {args.budget}, {args.cache_policy}: "
+                       f"{len(setup.prompts)} prompts x {args.tokens} tokens",
+              "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name()
+              if device.type == "cuda" else "cpu", "versions": suite.versions(),
+              "notes": setup.notes + ["cutoff c: target MoE layers 0..c-1 get cross-model prefetch while drafting"],
+              "bandwidths": bw.as_dict(), "step_bytes": step.as_dict(), "build": setup.build, "rows": [], "ratios": {}}
+    rows: list[RowResult] = []
+    for cutoff in [None, *range(layers + 1)]:
+        name = AUTO if cutoff is None else f"cutoff={cutoff}"
+        config = replace(base, spec_cutoff=cutoff)
+        if deadline - time.perf_counter() < args.min_row_s:
+            rows.append(failed_row(name, {"skipped": "the call's deadline"}))
+        else:
+            guarded(rows, name, lambda: time_engine_decode(name, config, setup.prompts, args.tokens,
+                                                           warmup_tokens=args.warmup_tokens, deadline=deadline - 10))
+        free_device()
+        suite.annotate(rows[-1], args.budget, step, bw)
+        result["rows"] = [r.as_dict() for r in rows]
+        result["ratios"] = verdict(rows, layers, chosen.value)
+        write_outputs(Path(args.out), "cutoff_sweep", result)
+    print((Path(args.out) / "cutoff_sweep.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""The benchmark's own arithmetic: the floor's byte count, accelerate's offloaded bytes, the cutoff
+verdict and the report's handling of failed rows (CPU, tiny checkpoints)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.baselines import offloaded_bytes
+from bench.cutoff_sweep import verdict
+from bench.floor import Bandwidths, StepBytes, floor_seconds, step_bytes
+from bench.report import markdown
+from bench.rows import RowResult, failed_row
+from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_hf_model
+
+
+def test_step_bytes_counts_active_experts_and_one_embedding_row(tmp_path: Path) -> None:
+    path = build_tiny_checkpoint("olmoe", tmp_path / "olmoe")  # untied: lm_head and embed_tokens
+    hf = tiny_hf_model("olmoe")
+    cfg = hf.config
+    params = dict(hf.named_parameters())
+    experts = sum(p.numel() for n, p in params.items() if ".experts." in n)
+    embed = params["model.embed_tokens.weight"].numel()
+    step = step_bytes(path, torch.bfloat16, context_tokens=10)
+    expert = 3 * cfg.hidden_size * cfg.intermediate_size * 2
+    assert step.expert_bytes == expert
+    assert step.all_experts == experts * 2
+    assert step.active_experts == cfg.num_hidden_layers * cfg.num_experts_per_tok * expert
+    assert step.non_expert == (sum(p.numel() for p in params.values()) - experts - embed + cfg.hidden_size) * 2
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert step.kv == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 10
+
+
+def test_floor_is_the_slower_of_hbm_and_pcie() -> None:
+    step = StepBytes(non_expert=600, active_experts=400, kv=0, expert_bytes=100, all_experts=800)
+    bw = Bandwidths(hbm_bytes_per_s=1000.0, h2d_bytes_per_s=100.0, h2d_buffer_bytes=100)
+    assert floor_seconds(step, 50.0, bw) == {"floor_s": 1.0, "hbm_s": 1.0, "pcie_s": 0.5, "bound": "hbm"}
+    assert floor_seconds(step, 300.0, bw)["bound"] == "pcie"
+
+
+def test_offloaded_bytes_follow_the_longest_prefix() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Linear(2, 2)))
+    device_map = {"": 0, "1": "cpu", "1.1": 0}
+    assert offloaded_bytes(model, device_map) == (4 * 2 + 2) * 4  # only 1.0's weight and bias
+
+
+def _row(name: str, tpot: float) -> RowResult:
+    return RowResult(name, tpot, tpot, 0.1, 8)
+
+
+@pytest.mark.parametrize(("tpots", "u_shaped", "best"), [
+    ([3.0, 2.0, 1.0, 2.0], True, 2),
+    ([1.0, 1.5, 2.0, 3.0], False, 0),
+])
+def test_cutoff_verdict(tpots: list[float], u_shaped: bool, best: int) -> None:
+    rows = [_row("cutoff=auto", 1.05)] + [_row(f"cutoff={c}", t) for c, t in enumerate(tpots)]
+    v = verdict(rows, num_moe_layers=3, auto_cutoff=1)
+    assert (v["u_shaped"], v["best_cutoff"], v["auto_within_10pct"]) == (u_shaped, best, True)
+
+
+def test_markdown_keeps_errors_and_skips_visible() -> None:
+    rows = [failed_row("a", {"error": "RuntimeError('boom')"}), failed_row("b", {"skipped": "no draft"})]
+    text = markdown({"title": "t", "command": "c", "rows": [r.as_dict() for r in rows], "ratios": {}})
+    assert "ERROR: RuntimeError('boom')" in text and "skipped: no draft" in text
