@@ -24,7 +24,7 @@ def victim(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     running.stop()
 
 
-STREAM_CHOICES = 8  # 8 x 240 tokens: seconds of work for the engine, so the kill lands mid-stream
+STREAM_CHOICES = 8  # ~1200 tokens under this seed: seconds of engine work, so the kill lands mid-stream
 
 
 def _finished(server: RunningServer, reason: str) -> float:
@@ -32,7 +32,8 @@ def _finished(server: RunningServer, reason: str) -> float:
 
 
 def _stream_events(server: RunningServer, started: threading.Event, events: list[str]) -> None:
-    body = {"model": server.model, "prompt": "hello", "max_tokens": 240, "n": STREAM_CHOICES, "stream": True}
+    body = {"model": server.model, "prompt": "hello", "max_tokens": 240, "n": STREAM_CHOICES, "seed": 8,
+            "stream": True}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: "):

@@ -19,7 +19,7 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def strict(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     config = tmp_path_factory.mktemp("cfg") / "strict.yaml"
-    config.write_text(yaml.safe_dump({"served-model-name": "tiny-strict", "max-queue": 50, "max-tokens-cap": 64,
+    config.write_text(yaml.safe_dump({"served-model-name": "tiny-strict", "max-queue": 50, "max-tokens-cap": 200,
                                       "metrics-require-key": True, "max-body-bytes": 4096}))
     # --max-queue on the command line must win over the file's 50
     running = start_server(tiny_model, tmp_path_factory.mktemp("logs"), "--config", str(config), "--max-queue", "2",
@@ -64,8 +64,8 @@ def test_health_open_metrics_need_the_key(strict: RunningServer) -> None:
 
 def test_yaml_settings_apply(strict: RunningServer) -> None:
     assert strict.get("/v1/models", headers=AUTH).json()["data"][0]["id"] == "tiny-strict"
-    over_cap = strict.post("/v1/chat/completions", json=body(strict, max_tokens=65), headers=AUTH)
-    assert over_cap.status_code == 400 and "64" in over_cap.json()["error"]["message"]
+    over_cap = strict.post("/v1/chat/completions", json=body(strict, max_tokens=201), headers=AUTH)
+    assert over_cap.status_code == 400 and "200" in over_cap.json()["error"]["message"]
     too_big = strict.post("/v1/completions", json={"model": strict.model, "prompt": "x" * 5000}, headers=AUTH)
     assert too_big.status_code == 413
 
@@ -74,9 +74,10 @@ def test_full_queue_is_429_with_retry_after(strict: RunningServer) -> None:
     first_event = threading.Event()
     release = threading.Event()
 
-    def hold_two_slots() -> None:  # n=2 streaming: two engine requests in flight until we let go
-        with httpx.stream("POST", strict.base_url + "/v1/chat/completions", headers=AUTH, timeout=60,
-                          json=body(strict, n=2, max_tokens=64, stream=True)) as resp:
+    def hold_two_slots() -> None:  # n=2 streaming: two engine requests in flight for ~400 tokens
+        # seeds 9 and 10 run to max_tokens on the tiny model (no early EOS), so the slots stay taken
+        job = {"model": strict.model, "prompt": "hello", "max_tokens": 200, "n": 2, "seed": 9, "stream": True}
+        with httpx.stream("POST", strict.base_url + "/v1/completions", headers=AUTH, timeout=60, json=job) as resp:
             for _ in resp.iter_lines():
                 first_event.set()
                 if release.wait(0):
