@@ -191,6 +191,7 @@ class Wave:
     rows: dict[int, torch.Tensor]  # expert -> slot row, readable now
     pending: list[tuple[int, torch.Tensor, Ready]]  # expert, slot row, copy to wait for first
     leftover: list[int]  # experts that found no slot: the next wave
+    slots: dict[int, int]  # expert -> slot index, for compute that gathers by slot
 
 
 class ExpertCache:
@@ -296,7 +297,8 @@ class ExpertCache:
             else:
                 rows[key[1]] = row
         keys = hits + [k for k, _ in placed]
-        return Wave(layer=layer, keys=keys, rows=rows, pending=pending, leftover=[k[1] for k in unplaced])
+        return Wave(layer=layer, keys=keys, rows=rows, pending=pending, leftover=[k[1] for k in unplaced],
+                    slots={key[1]: self._table.slot_of(key) for key in keys})
 
     def _start_copies(self, placed: list[tuple[Key, int]], *, demand_layer: int | None) -> Callable[[], None]:
         pairs = [(self._slots[slot], self._store.row(*key)) for key, slot in placed]

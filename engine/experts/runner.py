@@ -80,7 +80,7 @@ class CachedExpertRunner:
         layer = routing.layer
         if self.graph_safe and x.shape[0] == 1:
             return self._run_resident(x, routing)
-        experts = self._needed(routing)
+        used, experts = self._needed(routing)
         if self._predictor is not None:
             self._predictor.record_used(layer, experts)
         out = torch.zeros_like(x)  # [T, H]
@@ -90,6 +90,8 @@ class CachedExpertRunner:
             self._observer.on_layer(routing, next_guess)
         while True:
             try:
+                if x.shape[0] == 1 and not wave.leftover:
+                    return self._compute_gathered(x, routing, wave, used)
                 self._compute(out, x, routing, wave)
             finally:
                 self.cache.release(wave)
@@ -151,15 +153,16 @@ class CachedExpertRunner:
         if self._worker is not None:
             self._worker.close()
 
-    def _needed(self, routing: LayerRouting) -> list[int]:
-        """The layer's distinct experts (and MRS scores) with the layer's one host sync."""
+    def _needed(self, routing: LayerRouting) -> tuple[torch.Tensor, list[int]]:
+        """The layer's distinct experts — as a device 0/1 mask [E] and a sorted host list — and the
+        MRS scores, with the layer's one host sync."""
         probs = routing.router_probs  # [T, E]
         used = torch.zeros(probs.shape[-1], device=probs.device).index_fill_(0, routing.expert_ids.reshape(-1), 1.0)
         if self._mrs_top_p is None:
-            return [e for e, u in enumerate(used.tolist()) if u]
+            return used, [e for e, u in enumerate(used.tolist()) if u]
         used_list, scores = torch.stack([used, layer_scores(probs, self._mrs_top_p)]).tolist()  # [2, E]
         self.cache.observe_scores(routing.layer, scores)
-        return [e for e, u in enumerate(used_list) if u]
+        return used, [e for e, u in enumerate(used_list) if u]
 
     def _look_ahead(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self._predictor is not None:
@@ -167,6 +170,17 @@ class CachedExpertRunner:
         if self._observer is not None and layer + 1 < len(self._router_weights):
             return token_topk(x, self._router_weights[layer + 1], self.top_k)
         return None
+
+    def _compute_gathered(self, x: torch.Tensor, routing: LayerRouting, wave: Wave, used: torch.Tensor) -> torch.Tensor:
+        """One token whose experts all fit in this wave: wait for its copies, then one gathered
+        batched matmul instead of a launch train and two host syncs per expert group."""
+        for expert, _, ready in wave.pending:
+            self.cache.wait(wave.layer, expert, ready)
+        slot_of_rank = torch.tensor([wave.slots[e] for e in sorted(wave.slots)], device=x.device)  # [n]
+        rank = used.cumsum(0).long() - 1  # [E]: position of each used expert among the sorted used ones
+        slot_ids = slot_of_rank[rank[routing.expert_ids]]  # [1, k]
+        return gathered_experts(x, routing.expert_ids, routing.expert_weights, self.cache.slots, slot_ids,
+                                self.layout)
 
     def _compute(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, wave: Wave) -> None:
         ids, weights = routing.expert_ids, routing.expert_weights  # [T, k] each
