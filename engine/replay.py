@@ -165,8 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--slots-per-layer", type=_int_list, help="cache sizes as slots per MoE layer, e.g. 2,4,6")
     size.add_argument("--budget-experts", type=_int_list, help="cache sizes in experts, e.g. 64,128")
-    parser.add_argument("--policies", type=_names(POLICY_NAMES), default=list(POLICY_NAMES))
-    parser.add_argument("--predictors", type=_names(PREDICTORS), default=list(PREDICTORS))
+    parser.add_argument("--policies", type=_names(POLICY_NAMES), default=list(POLICY_NAMES),
+                        help=f"comma-separated, from {','.join(POLICY_NAMES)} (default: all)")
+    parser.add_argument("--predictors", type=_names(PREDICTORS), default=list(PREDICTORS),
+                        help=f"comma-separated, from {','.join(PREDICTORS)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     trace = load_trace(args.trace)
