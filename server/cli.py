@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import asyncio
 import logging
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -12,9 +15,14 @@ import uvicorn
 import yaml
 
 from engine.cli import add_engine_arguments, engine_config_from_args
+from server.engine_client import EngineClient
 from server.settings import ServerSettings
 
 log = logging.getLogger("moe_serve")
+# On SIGTERM requests in flight get this long to finish before they end with a 503 (an error event
+# in a stream); below serving.SHUTDOWN_GRACE_SECONDS and uvicorn's timeout_graceful_shutdown.
+SHUTDOWN_DRAIN_SECONDS = 3.0
+GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def _positive_int(text: str) -> int:
@@ -95,6 +103,23 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
     )
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose shutdown (it stops accepting first) gives requests in flight SHUTDOWN_DRAIN_SECONDS,
+    then fails the rest with a 503 instead of cutting their connections mid-response."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = asyncio.get_running_loop().call_later(
+            SHUTDOWN_DRAIN_SECONDS, self.engine.fail_in_flight, "the server is shutting down; retry the request")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -111,10 +136,14 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     app = create_app(settings, engine_config, on_fatal=stop)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                                           timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+    server = DrainingServer(config, app.state.moe.engine)
     log.info("OpenAI API at http://%s:%d/v1, Prometheus metrics at http://%s:%d/metrics", settings.host,
              settings.port, settings.host, settings.port)
+    # uvicorn re-raises a SIGTERM it handled once its graceful shutdown is done, which would make a
+    # clean stop exit -15; set just before run(), this handler only ever sees that re-raise.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
     fatal = app.state.moe.engine.fatal_error
     if fatal is not None:

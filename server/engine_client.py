@@ -47,6 +47,15 @@ class EngineUnavailable(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Ended:
+    """How one engine process ended."""
+
+    was_ready: bool
+    reason: str
+    load_failed: bool = False  # it reported EngineFailed: the model or the settings are wrong
+
+
 @dataclass
 class _Engine:
     process: mp.process.BaseProcess
@@ -75,10 +84,6 @@ class EngineClient:
     @property
     def in_flight(self) -> int:
         return len(self._routes)
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._engine is None else self._engine.process.pid
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -113,17 +118,17 @@ class EngineClient:
         failures, ever_ready = 0, False
         while not self._closing.is_set():
             engine = self._spawn()
-            ready, message = self._serve(engine)
+            ended = self._serve(engine)
             self._stop(engine)
             if self._closing.is_set():
                 return
-            if not ever_ready and message.startswith("EngineFailed"):
-                self.fatal_error = message  # bad model, bad flags: retrying cannot help
+            if ended.load_failed and not ever_ready:
+                self.fatal_error = ended.reason  # bad model, bad flags: retrying cannot help
                 self._call_soon(self._on_fatal)
                 return
-            ever_ready |= ready
-            failures = 0 if ready else failures + 1
-            self._lose_engine(message)
+            ever_ready |= ended.was_ready
+            failures = 0 if ended.was_ready else failures + 1
+            self._lose_engine(ended.reason)
             self._closing.wait(min(0.5 * 2**failures, MAX_BACKOFF_SECONDS))
 
     def _spawn(self) -> _Engine:
@@ -135,15 +140,16 @@ class EngineClient:
         self._engine = _Engine(process, inbox, outbox)
         return self._engine
 
-    def _serve(self, engine: _Engine) -> tuple[bool, str]:
-        """Pump the outbox until the process ends; returns (was it ever ready, why it ended)."""
+    def _serve(self, engine: _Engine) -> _Ended:
+        """Pump the outbox until the process ends (or the server shuts down)."""
         ready = False
         while not self._closing.is_set():
             try:
                 message = engine.outbox.get(timeout=POLL_SECONDS)
             except queue.Empty:
                 if not engine.process.is_alive():
-                    return ready, f"engine process {engine.process.pid} exited with code {engine.process.exitcode}"
+                    return _Ended(ready, f"engine process {engine.process.pid} exited with code "
+                                         f"{engine.process.exitcode}")
                 continue
             if isinstance(message, RequestOutput):
                 self._call_soon(self._deliver, message)
@@ -154,8 +160,8 @@ class EngineClient:
                 self._call_soon(self._set_ready, message)
             elif isinstance(message, EngineFailed):
                 log.error("engine failed to start: %s", message.message)
-                return ready, f"EngineFailed: {message.message}"
-        return ready, "server shutting down"
+                return _Ended(ready, message.message, load_failed=True)
+        return _Ended(ready, "server shutting down")
 
     def _stop(self, engine: _Engine) -> None:
         if engine.process.is_alive():
@@ -201,3 +207,11 @@ class EngineClient:
         for sink in set(self._routes.values()):
             sink.put_nowait(lost)
         self._routes.clear()
+
+    def fail_in_flight(self, message: str) -> None:
+        """End every request in flight with a 503 carrying message, and abort it in the engine
+        (the server is shutting down). Call on the event loop."""
+        lost = EngineLost(message)
+        for sink in set(self._routes.values()):
+            sink.put_nowait(lost)
+        self.abort(list(self._routes))

@@ -29,6 +29,9 @@ from server.tokenizer import Tokenizer
 
 log = logging.getLogger("moe_serve")
 CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client is gone, nobody reads this status
+# sse-starlette cuts every stream the moment uvicorn is told to exit; this keeps them open while
+# the server drains (cli.SHUTDOWN_DRAIN_SECONDS), so each ends with its last chunk or an error event.
+SHUTDOWN_GRACE_SECONDS = 4.0
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,8 @@ async def _until_disconnected(request: Request) -> None:
 
 
 def respond_stream(gen: Generation, env: Envelope, include_usage: bool) -> EventSourceResponse:
-    return EventSourceResponse(_events(gen, env, include_usage), sep="\n")
+    return EventSourceResponse(_events(gen, env, include_usage), sep="\n",
+                               shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
 
 
 async def _events(gen: Generation, env: Envelope, include_usage: bool) -> AsyncIterator[dict]:

@@ -48,6 +48,11 @@ def _wait_for(condition, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def test_health_is_503_until_the_engine_is_ready(victim: RunningServer) -> None:
+    log = victim.log()  # start_server polled /health from the moment the port opened
+    assert log.index('"GET /health HTTP/1.1" 503') < log.index("engine ready") < log.index('"GET /health HTTP/1.1" 200')
+
+
 def test_killed_engine_fails_in_flight_requests_and_comes_back(victim: RunningServer) -> None:
     [old_pid] = victim.engine_pids()
     finished_before = sum(_finished(victim, r) for r in ("stop", "length", "error"))
