@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import logging
 import os
 import signal

@@ -171,14 +171,15 @@ class EngineClient:
             engine.process.kill()
             engine.process.join()
         for q in (engine.inbox, engine.outbox):
-            q.cancel_join_thread()  # a dead reader must not make the feeder thread block our exit
-            q.close()
+            # Left open: a late abort may still be put into the dead inbox, harmlessly; but with no
+            # reader its feeder thread could block, and it must not hold up the server's exit.
+            q.cancel_join_thread()
 
     def _lose_engine(self, message: str) -> None:
         log.error("%s; failing requests in flight and restarting the engine", message)
         self._ready = None
         self._on_restart()
-        self._call_soon(self._fail_all, message)
+        self._call_soon(self.fail_in_flight, f"the engine process died ({message}); retry the request")
 
     def _call_soon(self, fn: Callable, *args: object) -> None:
         assert self._loop is not None  # set by start() before the thread exists
@@ -202,15 +203,9 @@ class EngineClient:
             del self._routes[output.request_id]
         sink.put_nowait(output)
 
-    def _fail_all(self, message: str) -> None:
-        lost = EngineLost(f"the engine process died ({message}); retry the request")
-        for sink in set(self._routes.values()):
-            sink.put_nowait(lost)
-        self._routes.clear()
-
     def fail_in_flight(self, message: str) -> None:
-        """End every request in flight with a 503 carrying message, and abort it in the engine
-        (the server is shutting down). Call on the event loop."""
+        """End every request in flight with a 503 carrying message and abort it in the engine
+        (the engine died, or the server is shutting down). Call on the event loop."""
         lost = EngineLost(message)
         for sink in set(self._routes.values()):
             sink.put_nowait(lost)
