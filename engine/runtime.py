@@ -22,6 +22,7 @@ from engine.messages import MetricsSnapshot
 from engine.models.config import ModelConfig
 from engine.spec.builder import build_spec_decoder
 from engine.spec.stats import SpecStats
+from engine.trace import RoutingRecorder
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class Runtime:
     decoder: Decoder
     max_model_len: int
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    recorder: RoutingRecorder | None = None
     _stats_base: StatsSnapshot | None = None
     _spec_base: SpecStats = field(default_factory=SpecStats)
 
@@ -124,6 +126,8 @@ class Runtime:
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
 
 def _graphs(config: EngineConfig, model, kv: KVCache, runner: CachedExpertRunner | None) -> GraphedDecode | None:
@@ -156,9 +160,13 @@ def build_runtime(config: EngineConfig) -> Runtime:
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     runners: list[CachedExpertRunner] = []
+    recorders: list[RoutingRecorder] = []
 
     def runner_factory(store, model_config: ModelConfig) -> CachedExpertRunner:
-        runners.append(CachedExpertRunner.from_config(store, config, top_k=model_config.top_k))
+        if config.record_routing:
+            recorders.append(RoutingRecorder(config.record_routing, model_config.top_k))
+        observer = recorders[0] if recorders else None
+        runners.append(CachedExpertRunner.from_config(store, config, top_k=model_config.top_k, observer=observer))
         return runners[-1]
 
     loaded = load_model(config.model, device, dtype, runner_factory=runner_factory)
@@ -167,7 +175,9 @@ def build_runtime(config: EngineConfig) -> Runtime:
         runner.set_router_weights(loaded.model.router_weights())
     max_len = min(config.max_model_len, loaded.config.max_position_embeddings)
     kv = KVCache.for_model(loaded.config, max_len, device=device, dtype=dtype)
-    target = BoundModel(loaded.model, kv, device, graphs=_graphs(config, loaded.model, kv, runner))
+    recorder = recorders[0] if recorders else None
+    target = BoundModel(loaded.model, kv, device, on_forward=recorder.begin_forward if recorder else None,
+                        graphs=_graphs(config, loaded.model, kv, runner))
     spec_stats = SpecStats()
     decoder: Decoder = PlainDecoder(target)
     if config.spec != "off":
@@ -179,4 +189,4 @@ def build_runtime(config: EngineConfig) -> Runtime:
         decoder = build_spec_decoder(config, target, runner, load_draft, spec_stats)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),
                                   "spec": config.spec})
-    return Runtime(config, loaded.config, target, runner, decoder, max_len, spec_stats)
+    return Runtime(config, loaded.config, target, runner, decoder, max_len, spec_stats, recorder)

@@ -129,3 +129,16 @@ def test_speculative_runtime_equals_plain_greedy(checkpoints, tmp_path, spec):
     assert tokens == hf_greedy("qwen3_moe")
     assert stats["verify_steps"] > 0
     assert 0.0 <= stats["acceptance_rate"] <= 1.0
+
+
+def test_record_routing_writes_one_line_per_position_and_layer(checkpoints, tmp_path):
+    trace = tmp_path / "routing.jsonl"
+    config = EngineConfig(model=checkpoints["mixtral"], gpu_expert_budget="50%", record_routing=str(trace))
+    tokens, _ = greedy(config)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    num_moe_layers = 3  # the tiny Mixtral: 3 layers, every one MoE
+    # every fed position (prompt + all generated tokens but the last) was routed in every layer
+    assert len(lines) == (len(PROMPT) + len(tokens) - 1) * num_moe_layers
+    assert {(line["pos"], line["layer"]) for line in lines} == {
+        (p, layer) for p in range(len(PROMPT) + len(tokens) - 1) for layer in range(num_moe_layers)}
+    assert all(len(line["experts"]) == 2 for line in lines)
