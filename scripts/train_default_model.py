@@ -2,13 +2,16 @@
 
 Three phases, one seed:
   1. draft:   a dense Qwen3ForCausalLM trained from scratch on the stdlib corpus;
-  2. target:  a Qwen3MoeForCausalLM upcycled from the draft (attention, norms and embeddings
-              copied, every expert a noisy copy of the draft's MLP, router small-random), then
-              trained with the load-balancing loss; the copied parts learn 10x slower so the
-              draft's residual stream keeps predicting the target's routes (SP-MoE);
-  3. distill: the draft takes the target's updated shared parts back and is distilled towards
-              the target (logits KL plus cosine distance of every post-attention residual), so
-              it agrees with the target's greedy tokens and routes, while staying a small dense
+  2. target:  a Qwen3MoeForCausalLM upcycled from the draft as it was after --upcycle-at steps
+              (attention, norms and embeddings copied, every expert a noisy copy of the draft's
+              MLP, router small-random), then trained on with a per-layer load-balancing loss.
+              Upcycling early matters: the corpus is small (8M tokens), and a target upcycled
+              from the fully trained draft only memorised (held-out loss rose from the first
+              evaluation on), so both models now see about the same number of tokens;
+  3. distill: the draft takes the target's shared parts (embeddings, attention, norms) and is
+              distilled towards it (logits KL plus cosine distance of every post-attention
+              residual), so it agrees with the target's greedy tokens and, through its
+              residual stream, with the target's routes (SP-MoE), while staying a small dense
               model with a worse perplexity.
 
   prepare (here, CPU, once):  python scripts/train_default_model.py prepare
@@ -87,8 +90,9 @@ class Phase:
 @dataclass(frozen=True)
 class Recipe:
     seed: int = 1234
-    shared_lr_scale: float = 0.1  # attention/norms/embeddings of the target, and of the draft in phase 3
-    router_aux_loss_coef: float = 0.01
+    distill_shared_lr_scale: float = 0.1  # phase 3 keeps the target's attention nearly as it is
+    router_aux_loss_coef: float = 0.01  # per layer: transformers' own loss pools all layers' tokens,
+    # which let the first layer send 98% of its tokens to two experts in an earlier run
     upcycle_noise: float = 0.01  # relative std of the noise that breaks the experts' symmetry
     router_init_std: float = 0.02
     kd_weight: float = 1.0  # phase 3 loss = CE + kd_weight * KL + hidden_weight * (1 - cos)
@@ -152,6 +156,10 @@ def upcycle(draft: Qwen3ForCausalLM, config: Qwen3MoeConfig, recipe: Recipe,
 def _noisy_copies(w: torch.Tensor, n: int, recipe: Recipe, gen: torch.Generator) -> torch.Tensor:
     noise = torch.randn((n, *w.shape), generator=gen).to(w.device)  # [E, *w.shape]
     return w.unsqueeze(0) + noise * (recipe.upcycle_noise * w.std())
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def copy_shared_parts(src: torch.nn.Module, dst: torch.nn.Module) -> None:
@@ -246,7 +254,8 @@ LossFn = Callable[[torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
 def run_phase(name: str, model: torch.nn.Module, loss_fn: LossFn, opt: torch.optim.Optimizer,
-              phase: Phase, stream: TokenStream, val_windows: torch.Tensor, log: list[dict]) -> dict:
+              phase: Phase, stream: TokenStream, val_windows: torch.Tensor, log: list[dict],
+              after_step: Callable[[int], None] = lambda step: None) -> dict:
     start = time.monotonic()
     best = {"validation_loss": math.inf, "step": -1}
     best_state: dict[str, torch.Tensor] = {}
@@ -264,13 +273,14 @@ def run_phase(name: str, model: torch.nn.Module, loss_fn: LossFn, opt: torch.opt
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        after_step(step)
         row = {"phase": name, "step": step, "s": round(time.monotonic() - start, 1),
                "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}}
         if (step + 1) % phase.eval_every == 0 or step == phase.steps - 1:
             row["validation_loss"] = round(heldout_loss(model, val_windows, phase.batch_size), 4)
             if phase.keep_best and row["validation_loss"] < best["validation_loss"]:
                 best = {"validation_loss": row["validation_loss"], "step": step}
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                best_state = snapshot(model)
         if step % 50 == 0 or "validation_loss" in row:
             log.append(row)
             print(json.dumps(row), flush=True)
@@ -290,10 +300,22 @@ def lm_loss(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, 
     return out.loss, {}
 
 
+def balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """Switch-style E * sum_e f_e * P_e for each layer, averaged over layers (1.0 = balanced)."""
+    losses = []
+    for logits in router_logits:  # [N, E]
+        probs = logits.float().softmax(-1)
+        picked = F.one_hot(probs.topk(top_k, dim=-1).indices, probs.shape[-1]).sum(1)  # [N, E]
+        share = picked.float().mean(0) / top_k  # f_e
+        losses.append(probs.shape[-1] * (share * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
 def moe_loss(model: Qwen3MoeForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    out = model(input_ids=batch, labels=batch, output_router_logits=True)
-    # out.loss already holds router_aux_loss_coef * aux_loss
-    return out.loss, {"aux": out.aux_loss.item()}
+    out = model(input_ids=batch, output_router_logits=True)  # no labels: our own balance loss
+    ce = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+    aux = balance_loss(out.router_logits, model.config.num_experts_per_tok)
+    return ce + model.config.router_aux_loss_coef * aux, {"ce": ce.item(), "aux": aux.item()}
 
 
 def distill_loss(draft: Qwen3ForCausalLM, target: Qwen3MoeForCausalLM, draft_tap: ResidualTap,
@@ -359,14 +381,14 @@ def prepare(vocab_size: int, max_len: int) -> None:
 
 
 def phases(args: argparse.Namespace, seq_len: int, deadline_s: float) -> tuple[Phase, Phase, Phase]:
-    """Wall-clock shares 26/52/22 of the deadline (the default steps' measured H100 times plus
-    ~5% slack), so a slower machine still ends with all three models."""
+    """Wall-clock shares 28/46/22 of the deadline (the default steps' measured H100 times plus
+    slack), so a slower machine still ends with all three models."""
     common = dict(batch_size=args.batch_size, seq_len=seq_len)
     return (
         Phase(args.draft_steps, 2e-3, min(200, args.draft_steps // 10 + 1),
-              budget_s=0.26 * deadline_s, keep_best=True, **common),
-        Phase(args.target_steps, 1e-3, min(100, args.target_steps // 10 + 1),
-              budget_s=0.52 * deadline_s, keep_best=True, **common),
+              budget_s=0.28 * deadline_s, keep_best=False, **common),
+        Phase(args.target_steps, 1.5e-3, min(50, args.target_steps // 10 + 1),
+              budget_s=0.46 * deadline_s, keep_best=True, **common),
         Phase(args.distill_steps, 1e-3, min(100, args.distill_steps // 10 + 1),
               budget_s=0.22 * deadline_s, keep_best=False, **common),
     )
@@ -398,22 +420,31 @@ def train(args: argparse.Namespace) -> None:
     report: dict = {"recipe": asdict(recipe), "shape": asdict(shape), "args": vars(args)}
 
     draft = Qwen3ForCausalLM(draft_config(shape, tok)).to(device)
-    report["draft_phase"] = run_phase("draft", draft, partial(lm_loss, draft),
-                                      make_optimizer(draft, recipe, 1.0), draft_phase, stream, val_windows, log)
+    early: dict[str, torch.Tensor] = {}
+
+    def keep_early(step: int) -> None:
+        if step + 1 == args.upcycle_at:
+            early.update(snapshot(draft))
+
+    report["draft_phase"] = run_phase("draft", draft, partial(lm_loss, draft), make_optimizer(draft, recipe, 1.0),
+                                      draft_phase, stream, val_windows, log, keep_early)
     report["draft_heldout_loss_after_pretraining"] = heldout_loss(draft, eval_windows, args.batch_size)
 
-    target = upcycle(draft, target_config(shape, tok, recipe), recipe, gen)
+    early_draft = Qwen3ForCausalLM(draft.config).to(device)
+    early_draft.load_state_dict(early or snapshot(draft))  # a phase cut short upcycles its last step
+    report["upcycled_from_draft_step"] = args.upcycle_at if early else report["draft_phase"]["steps_done"]
+    target = upcycle(early_draft, target_config(shape, tok, recipe), recipe, gen)
+    del early_draft, early
     report["target_heldout_loss_at_upcycling"] = heldout_loss(target, eval_windows, args.batch_size)
     report["target_phase"] = run_phase("target", target, partial(moe_loss, target),
-                                       make_optimizer(target, recipe, recipe.shared_lr_scale),
-                                       target_phase, stream, val_windows, log)
+                                       make_optimizer(target, recipe, 1.0), target_phase, stream, val_windows, log)
     report["target_heldout_loss"] = heldout_loss(target, eval_windows, args.batch_size)
 
     copy_shared_parts(target, draft)
     target.eval().requires_grad_(False)
     taps = ResidualTap(draft), ResidualTap(target)
     report["distill_phase"] = run_phase("distill", draft, partial(distill_loss, draft, target, *taps, recipe),
-                                        make_optimizer(draft, recipe, recipe.shared_lr_scale),
+                                        make_optimizer(draft, recipe, recipe.distill_shared_lr_scale),
                                         distill_phase, stream, val_windows, log)
     for tap in taps:
         tap.close()
@@ -439,9 +470,10 @@ def main() -> None:
     tr.add_argument("--out", required=True)
     tr.add_argument("--corpus", default=str(CORPUS_PATH))
     tr.add_argument("--smoke", action="store_true", help="tiny shapes and data: an end-to-end check on CPU")
-    # ~111 s, ~250 s and ~95 s on the H100 (27, 12.8 and 12.7 steps/s measured there)
+    # ~118 s, ~175 s and ~91 s on the H100 (25.5, 12.6 and 13.2 steps/s measured there)
     tr.add_argument("--draft-steps", type=int, default=3000)
-    tr.add_argument("--target-steps", type=int, default=3200)
+    tr.add_argument("--upcycle-at", type=int, default=1000, help="the draft step the target starts from")
+    tr.add_argument("--target-steps", type=int, default=2200)
     tr.add_argument("--distill-steps", type=int, default=1200)
     tr.add_argument("--batch-size", type=int, default=32)
     tr.add_argument("--seq-len", type=int, help="default: the shape's max_len")

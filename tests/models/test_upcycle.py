@@ -6,6 +6,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 
@@ -58,3 +59,12 @@ def test_residual_tap_sees_what_the_router_sees():
             normed = layer.post_attention_layernorm(residual.reshape(-1, residual.shape[-1]))
             torch.testing.assert_close(normed @ layer.mlp.gate.weight.T, logits)
     tap.close()
+
+
+def test_balance_loss_is_one_when_balanced_and_grows_on_collapse():
+    tokens, experts = 64, 8
+    uniform = torch.zeros(tokens, experts)
+    collapsed = torch.zeros(tokens, experts)
+    collapsed[:, :2] = 20.0  # every token on experts 0 and 1
+    assert tdm.balance_loss((uniform, uniform), top_k=2).item() == pytest.approx(1.0)
+    assert tdm.balance_loss((collapsed,), top_k=2).item() == pytest.approx(experts / 2, rel=1e-3)
