@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.core import EngineCore, run_to_completion
 from engine.messages import GenerateRequest, SamplingParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -79,6 +78,8 @@ def _load_tokenizer(model_dir: str, trust_remote_code: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from engine.core import EngineCore, run_to_completion  # here: moe-serve imports this module's flags only
+
     args = _parse_args(argv)
     tokenizer = _load_tokenizer(args.model, args.trust_remote_code)
     if args.prompt is not None:
