@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from engine.messages import EngineReady
-from server.errors import APIError, engine_unavailable, validation_error
+from server.errors import APIError, bad_request, engine_unavailable, validation_error
 from server.prompts import chat_prompts, completion_prompts, make_plan
 from server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from server.responses import ChatFormat, CompletionFormat, ResponseFormat
@@ -26,6 +26,7 @@ async def chat_completions(request: Request) -> Response:
     state = await require_api_key(request)
     body = await _parse(request, ChatCompletionRequest)
     engine = _checked(state, body)
+    _check_fits(body.n or 1, state.settings.max_queue, "n")
     prompts = chat_prompts(body, state.tokenizer)
     fmt = ChatFormat(state.tokenizer.token_text, bool(body.logprobs))
     return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
@@ -36,6 +37,7 @@ async def completions(request: Request) -> Response:
     state = await require_api_key(request)
     body = await _parse(request, CompletionRequest)
     engine = _checked(state, body)
+    _check_fits(len(body.prompts()) * (body.n or 1), state.settings.max_queue, "prompt")
     prompts = completion_prompts(body, state.tokenizer, engine.vocab_size)
     fmt = CompletionFormat(state.tokenizer.token_text, body.logprobs is not None)
     return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
@@ -49,6 +51,14 @@ async def _parse(request: Request, model: type[Body]) -> Body:
         raise validation_error(exc.errors()) from None
     body.check()
     return body
+
+
+def _check_fits(choices: int, max_queue: int, param: str) -> None:
+    """Checked before tokenising: a 4 MiB list of prompts would hold the event loop for tens of seconds,
+    and more choices than the engine queue holds can never be admitted (a 400, not a 429 to retry)."""
+    if choices > max_queue:
+        raise bad_request(f"this request asks for {choices} choices (prompts x n); this server runs at most "
+                          f"{max_queue} at once", param)
 
 
 def _checked(state: AppState, body: GenerationFields) -> EngineReady:
