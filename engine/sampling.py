@@ -32,7 +32,10 @@ def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.T
     """
     if params.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(torch.float32)
-    scaled = logits.float() / params.temperature
+    # Shifted so the top logit is 0 first: a tiny temperature (1e-40 is valid) then sends the others
+    # to -inf instead of everything to +-inf, whose softmax is NaN.
+    logits = logits.float()
+    scaled = (logits - logits.max()) / params.temperature
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
