@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("moe_serve")
+CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client is gone, nobody reads this status
 
 # OpenAI fields this server deliberately does not implement: named in the 400 as unsupported
 # rather than unknown, so a client learns the feature is missing, not misspelt.
@@ -93,6 +95,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
         return error_response(err)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
+        # The client hung up before its body arrived: nothing to answer, and no server error to log.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

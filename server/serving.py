@@ -21,14 +21,13 @@ from sse_starlette import EventSourceResponse
 from engine.messages import RequestOutput
 from server.choice import ChoiceDecoder, ChoiceDelta, EngineRequestError
 from server.engine_client import EngineClient, EngineLost, EngineUnavailable
-from server.errors import APIError, engine_unavailable
+from server.errors import CLIENT_CLOSED_REQUEST, APIError, engine_unavailable
 from server.metrics import ServerMetrics
 from server.prompts import Plan
 from server.responses import ResponseFormat, usage
 from server.tokenizer import Tokenizer
 
 log = logging.getLogger("moe_serve")
-CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client is gone, nobody reads this status
 # sse-starlette cuts every stream the moment uvicorn is told to exit; this keeps them open while
 # the server drains (cli.SHUTDOWN_DRAIN_SECONDS), so each ends with its last chunk or an error event.
 SHUTDOWN_GRACE_SECONDS = 4.0
