@@ -33,9 +33,10 @@ def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.T
     if params.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(torch.float32)
     # Shifted so the top logit is 0 first: a tiny temperature (1e-40 is valid) then sends the others
-    # to -inf instead of everything to +-inf, whose softmax is NaN.
+    # to -inf instead of everything to +-inf, whose softmax is NaN; and kept at least float32's
+    # smallest normal, since 5e-324 would round to 0 and make 0 / 0.
     logits = logits.float()
-    scaled = (logits - logits.max()) / params.temperature
+    scaled = (logits - logits.max()) / max(params.temperature, torch.finfo(torch.float32).tiny)
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
