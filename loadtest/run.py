@@ -1,0 +1,654 @@
+"""Load test for moe-serve: closed-loop streaming clients on the async OpenAI SDK, every answer verified.
+
+    python -m loadtest.run --spawn --model models/default --concurrency 1,8,64 --requests 200 --out r.json
+    python -m loadtest.run --base-url http://127.0.0.1:8000 --concurrency 64 --duration 600 --server-pid PID
+
+Flow: seeded prompts -> one non-streamed greedy reference per prompt, fetched one at a time ->
+per concurrency level an untimed warm-up, then the timed phase -> one JSON report.
+
+Verification. Every request is greedy, so each streamed answer must equal its prompt's
+reference (text, finish_reason, usage): a mixed-up, truncated or duplicated answer cannot
+pass. Requests ask for logprobs, which carry one entry per generated token except EOS, so
+the tokens received are counted and compared with `usage` (stream_options.include_usage).
+A sample of requests goes over raw httpx instead of the SDK, because the SDK swallows the
+closing `data: [DONE]` and that sample checks every stream ends with it.
+
+Metrics are vLLM benchmark_serving's: TTFT = request sent -> first chunk with choices;
+ITL = gaps between later chunks; E2E latency = request sent -> last data chunk;
+TPOT = (latency - TTFT) / (output tokens - 1) per request; goodput = requests/s that meet
+every SLO given (--slo-ttft, --slo-tpot, in ms). Errors are counted by HTTP status; an error
+event inside a 200 stream counts as `stream_error:<code>`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("def", "return", "list", "dict", "sorted", "reverse", "string", "parse", "file", "path", "json",
+         "yield", "class", "import", "async", "await", "lambda", "tuple", "set", "index", "range", "filter",
+         "map", "sum", "count", "split", "join", "strip", "format", "read", "write", "open", "close", "key",
+         "value", "error", "raise", "try", "except", "loop", "while", "for", "if", "else", "print", "test",
+         "assert")  # prompt vocabulary: the default model is a code model
+MAX_RETRY_AFTER_S = 5.0
+
+
+# ---- workload ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    base_url: str  # scheme://host:port, without /v1
+    model: str
+    api_key: str
+
+
+@dataclass(frozen=True)
+class Prompt:
+    index: int
+    text: str
+    max_tokens: int
+
+
+def spread(mean: int, ratio: float, rng: random.Random) -> int:
+    """Uniform in [mean * (1 - ratio), mean * (1 + ratio)], at least 1: vLLM's random dataset's range_ratio."""
+    return max(1, rng.randint(round(mean * (1 - ratio)), round(mean * (1 + ratio))))
+
+
+def make_prompts(count: int, words: int, max_tokens: int, ratio: float, seed: int) -> list[Prompt]:
+    """Distinct seeded prompts (each starts with its own index), lengths drawn per prompt."""
+    rng = random.Random(seed)
+    return [Prompt(i, f"#{i} " + " ".join(rng.choices(WORDS, k=spread(words, ratio, rng))),
+                   spread(max_tokens, ratio, rng)) for i in range(count)]
+
+
+def request_fields(target: Target, prompt: Prompt) -> dict:
+    return {"model": target.model, "messages": [{"role": "user", "content": prompt.text}],
+            "max_tokens": prompt.max_tokens, "temperature": 0, "logprobs": True}
+
+
+# ---- one response: parse, time, verify ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The part of a response that must equal the prompt's reference."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Result:
+    prompt: int
+    via: str  # "sdk" | "raw"
+    start: float
+    end: float = 0.0  # when the client was done with it (set by run_phase)
+    status: str = "ok"  # ok | disconnected | HTTP status | stream_error:<code> | timeout | connection
+    ttft: float | None = None
+    latency: float | None = None
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    retry_after: float = 0.0
+    problems: list[str] = field(default_factory=list)  # verification failures: a wrong answer
+
+
+def tokens_received(logprob_entries: int, finish_reason: str | None) -> int:
+    """Generated tokens a client saw: a logprob entry each, plus the EOS that ends a "stop" choice.
+
+    The server counts EOS in usage but sends no logprob for it; these requests use no stop strings,
+    so finish_reason "stop" always means EOS.
+    """
+    return logprob_entries + (finish_reason == "stop")
+
+
+class StreamCheck:
+    """One stream's chunks as they arrive: vLLM-style timing and the chat chunk protocol."""
+
+    def __init__(self, result: Result) -> None:
+        self.result = result
+        self.text, self.finish_reason, self.usage = "", None, None
+        self.ids: set[str] = set()
+        self.chunks = self.logprob_entries = 0
+        self.last_at = result.start
+        self.protocol: list[str] = []
+
+    def add(self, chunk: dict, at: float) -> None:
+        self.ids.add(chunk.get("id"))
+        if chunk.get("choices"):
+            self._choice(chunk["choices"], at)
+        elif chunk.get("usage"):
+            self.usage = chunk["usage"]
+        else:
+            self.protocol.append(f"chunk {self.chunks} has neither choices nor usage")
+        if self.usage is not None and chunk.get("choices"):
+            self.protocol.append("a chunk with choices came after the usage chunk")
+        self.last_at = at
+        self.chunks += 1
+
+    def _choice(self, choices: list[dict], at: float) -> None:
+        if self.result.ttft is None:
+            self.result.ttft = at - self.result.start
+            if choices[0]["delta"].get("role") != "assistant":
+                self.protocol.append("the first chunk does not carry role 'assistant'")
+        else:
+            self.result.itl.append(at - self.last_at)
+        if self.finish_reason is not None:
+            self.protocol.append("a chunk came after the one with finish_reason")
+        choice = choices[0]
+        self.text += choice["delta"].get("content") or ""
+        self.logprob_entries += len((choice.get("logprobs") or {}).get("content") or [])
+        self.finish_reason = choice.get("finish_reason")
+
+    def answer(self) -> Answer:
+        usage = self.usage or {}
+        return Answer(self.text, self.finish_reason, usage.get("prompt_tokens", -1), usage.get("completion_tokens", -1))
+
+    def problems(self) -> list[str]:
+        found = list(self.protocol)
+        if len(self.ids) > 1:
+            found.append(f"chunks carry {len(self.ids)} different ids")
+        if self.usage is None:
+            found.append("no usage chunk")
+        elif (got := tokens_received(self.logprob_entries, self.finish_reason)) != self.usage["completion_tokens"]:
+            found.append(f"received {got} tokens, usage says {self.usage['completion_tokens']}")
+        return found
+
+
+def finish(result: Result, check: StreamCheck, reference: Answer) -> None:
+    """Close the books on a stream that ended normally: latency, token counts, verification."""
+    answer = check.answer()
+    result.latency = check.last_at - result.start
+    result.prompt_tokens, result.output_tokens = answer.prompt_tokens, answer.completion_tokens
+    result.problems += check.problems()
+    if answer != reference:
+        result.problems.append(f"answer {answer} differs from the reference {reference}")
+
+
+# ---- requests: the SDK, raw httpx, references -----------------------------------------------
+
+
+async def sdk_request(client: openai.AsyncOpenAI, target: Target, prompt: Prompt, reference: Answer,
+                      disconnect_after: int | None) -> Result:
+    result = Result(prompt.index, "sdk", time.perf_counter())
+    check = StreamCheck(result)
+    try:
+        stream = await client.chat.completions.create(**request_fields(target, prompt), stream=True,
+                                                      stream_options={"include_usage": True})
+        async with stream:  # leaving it closes the connection: that is how a client disconnects
+            if disconnect_after == 0:
+                result.status = "disconnected"
+                return result
+            async for chunk in stream:
+                check.add(chunk.model_dump(), time.perf_counter())
+                if check.chunks == disconnect_after:
+                    result.status = "disconnected"
+                    return result
+    except openai.APIStatusError as exc:
+        result.status = str(exc.status_code)
+        result.retry_after = _retry_after(exc.response.headers)
+        result.problems += error_shape_problems(exc.body if isinstance(exc.body, dict) else None, wrapped=False)
+        return result
+    except openai.APITimeoutError:
+        result.status = "timeout"
+        return result
+    except openai.APIConnectionError:
+        result.status = "connection"
+        return result
+    except openai.APIError as exc:  # the SDK raises an error event inside a 200 stream as a plain APIError
+        result.status = f"stream_error:{exc.code}"
+        return result
+    except ValueError as exc:  # a data line the SDK could not parse as JSON
+        result.problems.append(f"unparseable stream: {exc}")
+        return result
+    finish(result, check, reference)
+    return result
+
+
+async def raw_request(http: httpx.AsyncClient, target: Target, prompt: Prompt, reference: Answer,
+                      disconnect_after: int | None) -> Result:
+    """The same request without the SDK, reading the SSE lines themselves to see [DONE] arrive last."""
+    result = Result(prompt.index, "raw", time.perf_counter())
+    check = StreamCheck(result)
+    body = {**request_fields(target, prompt), "stream": True, "stream_options": {"include_usage": True}}
+    try:
+        async with http.stream("POST", f"{target.base_url}/v1/chat/completions", json=body,
+                               headers={"authorization": f"Bearer {target.api_key}"}) as resp:
+            if resp.status_code != 200:
+                result.status, result.retry_after = str(resp.status_code), _retry_after(resp.headers)
+                body = _json_or_none(await resp.aread())
+                result.problems += error_shape_problems(body if isinstance(body, dict) else None)
+                return result
+            done = await _read_events(resp, check, result, disconnect_after)
+    except httpx.TimeoutException:
+        result.status = "timeout"
+        return result
+    except httpx.TransportError:
+        result.status = "connection"
+        return result
+    if result.status == "disconnected":
+        return result
+    if not done:
+        result.problems.append("the stream ended without data: [DONE]")
+    if result.status == "ok":
+        finish(result, check, reference)
+    return result
+
+
+async def _read_events(resp: httpx.Response, check: StreamCheck, result: Result,
+                       disconnect_after: int | None) -> bool:
+    """Feed SSE data lines to check; returns whether [DONE] came, and came last."""
+    if disconnect_after == 0:
+        result.status = "disconnected"
+        return False
+    done = False
+    async for line in resp.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators and ": ping" comments
+        data = line[len("data:"):].strip()
+        if done:
+            result.problems.append("data after [DONE]")
+        elif data == "[DONE]":
+            done = True
+        elif not isinstance(chunk := _json_or_none(data), dict):
+            result.problems.append(f"a data line that is not a JSON object: {data[:80]!r}")
+        elif "error" in chunk:
+            result.status = f"stream_error:{chunk['error'].get('code')}"
+            result.problems += error_shape_problems(chunk)
+        else:
+            check.add(chunk, time.perf_counter())
+            if check.chunks == disconnect_after:
+                result.status = "disconnected"
+                return False
+    return done
+
+
+def error_shape_problems(body: dict | None, wrapped: bool = True) -> list[str]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}} (the SDK unwraps "error")."""
+    error = (body or {}).get("error") if wrapped else body
+    if not isinstance(error, dict) or set(error) != {"message", "type", "param", "code"}:
+        return [f"error body not in OpenAI's shape: {body!r}"]
+    return [] if isinstance(error["message"], str) and isinstance(error["type"], str) else [f"bad error: {body!r}"]
+
+
+def _json_or_none(raw: bytes | str) -> object:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _retry_after(headers: Mapping[str, str]) -> float:
+    try:
+        return min(float(headers.get("retry-after", 0)), MAX_RETRY_AFTER_S)
+    except ValueError:
+        return 0.0
+
+
+async def fetch_reference(client: openai.AsyncOpenAI, target: Target, prompt: Prompt) -> Answer:
+    """One prompt's non-streamed greedy answer, asked while nothing else runs."""
+    resp = await client.chat.completions.create(**request_fields(target, prompt))
+    choice = resp.choices[0]
+    entries = len(choice.logprobs.content or []) if choice.logprobs else 0
+    if tokens_received(entries, choice.finish_reason) != resp.usage.completion_tokens:
+        raise RuntimeError(f"prompt {prompt.index}: {entries} logprobs entries but usage {resp.usage}")
+    return Answer(choice.message.content or "", choice.finish_reason, resp.usage.prompt_tokens,
+                  resp.usage.completion_tokens)
+
+
+# ---- phases: closed-loop clients ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mix:
+    """How the requests of a phase are sent; request j's choices are seeded by (seed, j)."""
+
+    raw_fraction: float = 0.1
+    disconnect_fraction: float = 0.0  # these close their stream after a random number of chunks
+    seed: int = 0
+
+    def plan(self, j: int, prompts: list[Prompt], refs: list[Answer]) -> tuple[Prompt, bool, int | None]:
+        rng = random.Random(f"{self.seed}/{j}")
+        prompt = prompts[j % len(prompts)]  # consecutive requests, so concurrent ones, have distinct prompts
+        raw = rng.random() < self.raw_fraction
+        cut = rng.randrange(refs[prompt.index].completion_tokens) if rng.random() < self.disconnect_fraction else None
+        return prompt, raw, cut
+
+
+@asynccontextmanager
+async def clients(target: Target, concurrency: int, timeout: float) -> AsyncIterator[
+        tuple[openai.AsyncOpenAI, httpx.AsyncClient]]:
+    """The SDK (its own pool: 1000 connections) and a raw pool sized so no request waits for a connection.
+
+    No retries: a 429 or 503 is counted, then the client waits its Retry-After before the next request.
+    """
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http, \
+            openai.AsyncOpenAI(base_url=f"{target.base_url}/v1", api_key=target.api_key, max_retries=0,
+                               timeout=timeout) as sdk:
+        yield sdk, http
+
+
+async def run_phase(target: Target, prompts: list[Prompt], refs: list[Answer], concurrency: int, mix: Mix,
+                    timeout: float, requests: int | None = None, duration: float | None = None,
+                    on_result: Callable[[Result], None] = lambda r: None) -> tuple[list[Result], float]:
+    """`concurrency` clients each send a request as soon as their previous one ended (after Retry-After
+    on a 429/503) until `requests` were started or `duration` seconds passed. Returns (results, seconds)."""
+    results: list[Result] = []
+    next_j = iter(range(requests if requests is not None else sys.maxsize))
+    started = time.perf_counter()
+    deadline = started + duration if duration is not None else float("inf")
+
+    async with clients(target, concurrency, timeout) as (sdk, http):
+        async def client() -> None:
+            for j in next_j:
+                if time.perf_counter() >= deadline:
+                    return
+                prompt, raw, cut = mix.plan(j, prompts, refs)
+                send = raw_request(http, target, prompt, refs[prompt.index], cut) if raw else \
+                    sdk_request(sdk, target, prompt, refs[prompt.index], cut)
+                result = await send
+                result.end = time.perf_counter()
+                results.append(result)
+                on_result(result)
+                await asyncio.sleep(result.retry_after)
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return results, time.perf_counter() - started
+
+
+# ---- report ---------------------------------------------------------------------------------
+
+
+def distribution_ms(seconds: list[float]) -> dict:
+    if not seconds:
+        return {}
+    ms = np.asarray(seconds) * 1000
+    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std()),
+            "p90": float(np.percentile(ms, 90)), "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
+
+
+def tpot(result: Result) -> float:
+    """vLLM's per-request TPOT; 0 for a single-token answer (as its goodput counts it)."""
+    return (result.latency - result.ttft) / (result.output_tokens - 1) if result.output_tokens > 1 else 0.0
+
+
+def summarize(results: list[Result], seconds: float, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict:
+    ok = [r for r in results if r.status == "ok" and not r.problems]
+    output_tokens = sum(r.output_tokens for r in ok)
+    input_tokens = sum(r.prompt_tokens for r in ok)
+    good = [r for r in ok if (slo_ttft_ms is None or r.ttft * 1000 <= slo_ttft_ms)
+            and (slo_tpot_ms is None or tpot(r) * 1000 <= slo_tpot_ms)]
+    wrong = [r for r in results if r.problems]
+    return {
+        "requests": len(results), "completed": len(ok), "duration_s": seconds,
+        "status_counts": dict(Counter(r.status for r in results)),
+        "via_counts": dict(Counter(r.via for r in results)),
+        "wrong_answers": len(wrong),
+        "wrong_examples": [{"prompt": r.prompt, "via": r.via, "problems": r.problems} for r in wrong[:5]],
+        "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "request_throughput": len(ok) / seconds, "output_throughput": output_tokens / seconds,
+        "total_token_throughput": (input_tokens + output_tokens) / seconds,
+        "goodput": len(good) / seconds if slo_ttft_ms is not None or slo_tpot_ms is not None else None,
+        "ttft_ms": distribution_ms([r.ttft for r in ok]),
+        "tpot_ms": distribution_ms([tpot(r) for r in ok if r.output_tokens > 1]),
+        "itl_ms": distribution_ms([gap for r in ok for gap in r.itl]),
+        "e2el_ms": distribution_ms([r.latency for r in ok]),
+    }
+
+
+# ---- the server: its processes and its metrics ----------------------------------------------
+
+
+def process_tree_usage(pid: int) -> dict:
+    """RSS and open file descriptors of the server and everything it started (engine, resource tracker)."""
+    root = psutil.Process(pid)
+    procs = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            cmd = " ".join(proc.cmdline())
+            role = ("server" if proc.pid == pid else "engine" if "spawn_main" in cmd
+                    else "resource_tracker" if "resource_tracker" in cmd else proc.name())
+            procs.append({"pid": proc.pid, "role": role, "rss_mb": proc.memory_info().rss / 2**20,
+                          "fds": proc.num_fds()})
+        except psutil.NoSuchProcess:
+            continue
+    return {"at": time.time(), "rss_mb": sum(p["rss_mb"] for p in procs), "fds": sum(p["fds"] for p in procs),
+            "processes": procs}
+
+
+async def engine_gauges(target: Target) -> dict[str, float]:
+    """The /metrics samples this report needs: running/waiting gauges and finished requests by reason."""
+    async with httpx.AsyncClient(timeout=30) as http:
+        text = (await http.get(f"{target.base_url}/metrics",
+                               headers={"authorization": f"Bearer {target.api_key}"})).text
+    samples = {}
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name in ("moe_num_requests_running", "moe_num_requests_waiting") or name.startswith("moe_requests_total{"):
+            samples[name] = float(value)
+    return samples
+
+
+async def wait_engine_idle(target: Target, timeout: float = 30.0) -> dict[str, float]:
+    """Poll until the engine reports nothing running or waiting (snapshots come every 0.5 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gauges = await engine_gauges(target)
+        idle = gauges.get("moe_num_requests_running") == 0 and gauges.get("moe_num_requests_waiting") == 0
+        if idle or time.monotonic() > deadline:
+            return {**gauges, "idle": idle}
+        await asyncio.sleep(0.25)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SpawnedServer:
+    """`python -m server --model M --port FREE ...`, the project's own start command, logging to a file."""
+
+    def __init__(self, model: str, server_args: list[str], log_path: Path, start_timeout: float = 300) -> None:
+        self.base_url = f"http://127.0.0.1:{free_port()}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "server", "--model", model, "--port", self.base_url.rsplit(":", 1)[1],
+               *server_args]
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._wait_healthy(start_timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout}s; see {self.log_path}")
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, as an orchestrator stops it; the exit code goes into the report."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            return -signal.SIGKILL
+
+
+# ---- the whole run --------------------------------------------------------------------------
+
+
+async def served_model(base_url: str, api_key: str) -> str:
+    async with httpx.AsyncClient(timeout=30) as http:
+        resp = await http.get(f"{base_url}/v1/models", headers={"authorization": f"Bearer {api_key}"})
+    return resp.raise_for_status().json()["data"][0]["id"]
+
+
+async def fetch_references(target: Target, prompts: list[Prompt], timeout: float) -> list[Answer]:
+    async with clients(target, 1, timeout) as (sdk, _):
+        return [await fetch_reference(sdk, target, p) for p in prompts]
+
+
+async def sample_every(seconds: float, pid: int | None, samples: list[dict]) -> None:
+    while pid is not None:
+        await asyncio.sleep(seconds)
+        samples.append(process_tree_usage(pid))
+
+
+async def run_level(args: argparse.Namespace, target: Target, prompts: list[Prompt], refs: list[Answer],
+                    concurrency: int, pid: int | None) -> dict:
+    """Warm-up (untimed, verified), idle resource sample, timed phase, idle engine, idle resource sample."""
+    mix = Mix(args.raw_fraction, args.disconnect_fraction, args.seed + concurrency)
+    warmup, _ = await run_phase(target, prompts, refs, concurrency, mix, args.timeout,
+                                requests=args.warmup if args.warmup is not None else concurrency)
+    await wait_engine_idle(target)
+    start_usage = process_tree_usage(pid) if pid else None
+    samples: list[dict] = []
+    sampler = asyncio.ensure_future(sample_every(args.sample_every, pid, samples))
+    try:
+        results, seconds = await run_phase(target, prompts, refs, concurrency, mix, args.timeout,
+                                           requests=args.requests, duration=args.duration)
+    finally:
+        sampler.cancel()
+    engine_after = await wait_engine_idle(target)
+    await asyncio.sleep(1.0)  # let the server close the connections this phase opened
+    return {"concurrency": concurrency, **summarize(results, seconds, args.slo_ttft, args.slo_tpot),
+            "warmup": {"requests": len(warmup), "status_counts": dict(Counter(r.status for r in warmup)),
+                       "wrong_answers": sum(bool(r.problems) for r in warmup)},
+            "engine_after": engine_after,
+            "resources": {"start": start_usage, "end": process_tree_usage(pid) if pid else None,
+                          "samples": samples}}
+
+
+def verdict(levels: list[dict], allowed: set[str]) -> dict:
+    unexpected = Counter()
+    for level in levels:
+        for counts in (level["status_counts"], level["warmup"]["status_counts"]):
+            unexpected.update({s: n for s, n in counts.items() if s not in allowed})
+    wrong = sum(level["wrong_answers"] + level["warmup"]["wrong_answers"] for level in levels)
+    idle = all(level["engine_after"]["idle"] for level in levels)
+    return {"wrong_answers": wrong, "unexpected_errors": dict(unexpected), "engine_idle_after_each_level": idle,
+            "passed": wrong == 0 and not unexpected and idle}
+
+
+async def run(args: argparse.Namespace, base_url: str, pid: int | None) -> dict:
+    model = args.served_model or await served_model(base_url, args.api_key)
+    target = Target(base_url, model, args.api_key)
+    prompts = make_prompts(args.num_prompts, args.prompt_words, args.max_tokens, args.range_ratio, args.seed)
+    began = time.perf_counter()
+    refs = await fetch_references(target, prompts, args.timeout)
+    reference_seconds = time.perf_counter() - began
+    levels = [await run_level(args, target, prompts, refs, c, pid) for c in args.concurrency]
+    prompt_tokens = [r.prompt_tokens for r in refs]
+    return {
+        "config": {k: v for k, v in vars(args).items() if k != "api_key"},
+        "model": model,
+        "references": {"prompts": len(refs), "distinct_outputs": len({r.text for r in refs}),
+                       "seconds": reference_seconds, "prompt_tokens": distribution_of(prompt_tokens),
+                       "completion_tokens": distribution_of([r.completion_tokens for r in refs]),
+                       "finish_reasons": dict(Counter(r.finish_reason for r in refs))},
+        "levels": levels,
+        "verdict": verdict(levels, {"ok", "disconnected", *args.allow_status}),
+    }
+
+
+def distribution_of(values: list[int]) -> dict:
+    return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--spawn", action="store_true", help="start `python -m server` on a free port")
+    p.add_argument("--model", default=str(REPO / "models" / "default"), help="checkpoint for --spawn")
+    p.add_argument("--server-args", default="", help="more moe-serve flags for --spawn, one string")
+    p.add_argument("--server-log", default=None, help="--spawn: where the server's log goes")
+    p.add_argument("--server-pid", type=int, default=None, help="with --base-url: sample this process tree")
+    p.add_argument("--served-model", default=None, help="model name to send (default: GET /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("MOE_API_KEY", "unused"))
+    p.add_argument("--num-prompts", type=int, default=64, help="distinct prompts, one reference each")
+    p.add_argument("--prompt-words", type=int, default=24, help="mean prompt length in words")
+    p.add_argument("--max-tokens", type=int, default=32, help="mean max_tokens")
+    p.add_argument("--range-ratio", type=float, default=0.5, help="lengths uniform in mean*(1 +- ratio)")
+    p.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 64])
+    run_for = p.add_mutually_exclusive_group()
+    run_for.add_argument("--requests", type=int, default=None, help="timed requests per level")
+    run_for.add_argument("--duration", type=float, default=None, help="timed seconds per level")
+    p.add_argument("--warmup", type=int, default=None, help="untimed requests per level (default: concurrency)")
+    p.add_argument("--raw-fraction", type=float, default=0.1, help="share sent over raw httpx ([DONE] check)")
+    p.add_argument("--disconnect-fraction", type=float, default=0.0, help="share that hang up mid-stream")
+    p.add_argument("--allow-status", default=[], type=lambda s: s.split(","),
+                   help="statuses that are expected, e.g. 429 when --max-queue is below the concurrency")
+    p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, ms")
+    p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, ms")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout, s")
+    p.add_argument("--sample-every", type=float, default=10.0, help="resource samples during a level, s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the JSON report here")
+    args = p.parse_args(argv)
+    if args.requests is None and args.duration is None:
+        args.requests = 100
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    server = None
+    if args.spawn:
+        log = Path(args.server_log or tempfile.mkstemp(prefix="moe-serve-", suffix=".log")[1])
+        server = SpawnedServer(args.model, shlex.split(args.server_args), log)
+    try:
+        base_url = server.base_url if server else args.base_url.rstrip("/")
+        pid = server.process.pid if server else args.server_pid
+        report = asyncio.run(run(args, base_url, pid))
+    finally:
+        exit_code = server.stop() if server else None
+    if server:
+        report["server"] = {"log": str(server.log_path), "exit_code_after_sigterm": exit_code}
+        report["verdict"]["passed"] &= exit_code == 0
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(json.dumps({"levels": [{k: lvl[k] for k in ("concurrency", "requests", "status_counts", "wrong_answers",
+                                                       "request_throughput", "output_throughput")}
+                                 for lvl in report["levels"]], "verdict": report["verdict"]}, indent=1))
+    return 0 if report["verdict"]["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
