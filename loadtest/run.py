@@ -29,6 +29,7 @@ import random
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import psutil
 
@@ -384,11 +384,13 @@ async def run_phase(target: Target, prompts: list[Prompt], refs: list[Answer], c
 
 
 def distribution_ms(seconds: list[float]) -> dict:
+    """Mean, median, std and percentiles in ms; percentiles interpolate linearly, as numpy's default does."""
     if not seconds:
         return {}
-    ms = np.asarray(seconds) * 1000
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std()),
-            "p90": float(np.percentile(ms, 90)), "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
+    ms = [s * 1000 for s in seconds]
+    cuts = statistics.quantiles(ms, n=100, method="inclusive") if len(ms) > 1 else ms * 99
+    return {"mean": statistics.fmean(ms), "median": statistics.median(ms), "std": statistics.pstdev(ms),
+            "p90": cuts[89], "p99": cuts[98], "max": max(ms)}
 
 
 def tpot(result: Result) -> float:
