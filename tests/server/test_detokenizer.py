@@ -28,7 +28,12 @@ def _stream(tokenizer: Tokenizer, ids: list[int]) -> list[str]:
 @given(ids=st.lists(st.integers(min_value=0, max_value=VOCAB - 1), max_size=40))
 def test_random_tokens_stream_to_the_one_shot_decode(tokenizer: Tokenizer, ids: list[int]) -> None:
     deltas = _stream(tokenizer, ids)
-    assert "".join(deltas) == tokenizer.decode(ids)
+    one_shot = tokenizer.decode(ids)
+    # HF's byte-fallback decoder turns EVERY byte of a sequence containing invalid UTF-8 into
+    # U+FFFD (bytes C3 80 80 -> three of them, though C3 80 alone is 'À'), so only ids that decode
+    # to valid text decode compositionally; for the rest only the no-split property is checked.
+    if REPLACEMENT not in one_shot:
+        assert "".join(deltas) == one_shot
     assert not any(d.endswith(REPLACEMENT) for d in deltas[:-1])
 
 
