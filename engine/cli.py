@@ -22,6 +22,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "mrs"])
     parser.add_argument("--prefetch", default="none", choices=["none", "next-layer"])
     parser.add_argument("--prefetch-depth", type=int, default=1, help="layers ahead the next-layer predictor looks")
+    parser.add_argument("--cpu-experts", default="off", choices=["off", "auto"],
+                        help="auto: compute a missed expert on the CPU when a start-up profile says that beats "
+                             "copying it to the GPU")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--record-routing", default=None, metavar="FILE", help="write routing decisions as JSONL")
     parser.add_argument("--spec", default="off", choices=["off", "self", "draft"])
@@ -47,6 +50,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=device, dtype=args.dtype, gpu_expert_budget=args.gpu_expert_budget,
         cache_policy=args.cache_policy, prefetch=args.prefetch, prefetch_depth=args.prefetch_depth,
+        cpu_experts=args.cpu_experts,
         max_model_len=args.max_model_len, record_routing=args.record_routing, spec=args.spec, draft=args.draft,
         spec_tokens=args.spec_tokens, spec_top_r=args.spec_top_r, spec_confidence=args.spec_confidence,
         spec_cutoff=args.spec_cutoff, spec_adaptive_tokens=args.spec_adaptive_tokens,

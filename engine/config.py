@@ -38,6 +38,7 @@ class EngineConfig:
     cache_policy: str = "lru"  # lru | lfu | mrs
     prefetch: str = "none"  # none | next-layer
     prefetch_depth: int = 1  # layers ahead the next-layer predictor looks
+    cpu_experts: str = "off"  # off | auto: run a missed expert on the CPU when the start-up profile says it wins
     max_model_len: int = 2048
     record_routing: str | None = None
     spec: str = "off"  # off | self | draft

@@ -71,6 +71,7 @@ class Runtime:
             "pcie_wait_seconds": total.pcie_wait_seconds,
             "prefetch_used": total.prefetch_used,
             "prefetch_wasted": total.prefetch_wasted,
+            "cpu_expert_computations": total.cpu_expert_computations,
             "tpot_seconds": tpot_seconds,
             "ttft_seconds": ttft_seconds,
             **self._spec_window(),
@@ -107,7 +108,7 @@ class Runtime:
             spec_drafts=self.spec_stats.drafts,
             spec_draft_tokens=self.spec_stats.draft_tokens,
             spec_accepted_tokens=self.spec_stats.accepted_tokens,
-            cpu_expert_computations=0,
+            cpu_expert_computations=total.cpu_expert_computations,
             num_running=num_running,
             num_waiting=num_waiting,
             tpot_samples=tpot_samples,
@@ -118,7 +119,8 @@ class Runtime:
         return {
             "model": cfg.model, "device": cfg.device, "architecture": self.model_config.architecture,
             "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
-            "prefetch": cfg.prefetch, "spec": cfg.spec, "max_model_len": self.max_model_len,
+            "prefetch": cfg.prefetch, "cpu_experts": cfg.cpu_experts, "spec": cfg.spec,
+            "max_model_len": self.max_model_len,
             "cuda_graphs": self.target.graphs is not None,
             "cache_slots": self.runner.cache.capacity if self.runner is not None else 0,
         }

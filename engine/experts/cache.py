@@ -119,9 +119,10 @@ class _HostCopier:
 
         return readies, work
 
-    def compute_wait(self, layer: int, ready: HostReady) -> None:
+    def compute_wait(self, layer: int, readies: Sequence[HostReady]) -> None:
         started = time.perf_counter()
-        ready.synchronize()
+        for ready in readies:
+            ready.synchronize()
         self._waits.append((layer, time.perf_counter() - started))
 
     def failed(self, ready: HostReady) -> bool:
@@ -158,12 +159,13 @@ class _CudaCopier:
                 readies.append(ready)
         return readies, _nothing
 
-    def compute_wait(self, layer: int, ready: torch.cuda.Event) -> None:
-        # The event pair brackets the stall on the compute stream; read lazily in drain_waits.
+    def compute_wait(self, layer: int, readies: Sequence[torch.cuda.Event]) -> None:
+        # One event pair brackets the whole stall on the compute stream; read lazily in drain_waits.
         stream = torch.cuda.current_stream()
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record(stream)
-        stream.wait_event(ready)
+        for ready in readies:
+            stream.wait_event(ready)
         end.record(stream)
         self._waits.append((layer, begin, end))
 
@@ -188,10 +190,16 @@ class Wave:
 
     layer: int
     keys: list[Key]
-    rows: dict[int, torch.Tensor]  # expert -> slot row, readable now
-    pending: list[tuple[int, torch.Tensor, Ready]]  # expert, slot row, copy to wait for first
-    leftover: list[int]  # experts that found no slot: the next wave
     slots: dict[int, int]  # expert -> slot index, for compute that gathers by slot
+    pending: dict[int, Ready]  # experts whose copy compute must wait for first -> that copy
+    leftover: list[int]  # experts that found no slot: the next wave
+    allocation: torch.Tensor  # the cache's slots [S, numel]
+
+    def rows(self, *, landed: bool) -> dict[int, torch.Tensor]:
+        """expert -> slot row [numel] of the experts readable at once (landed) or only after
+        `wait_pending` (not landed). Views are made here, not per acquire: one-token compute
+        gathers by slot and never needs them."""
+        return {e: self.allocation[s] for e, s in self.slots.items() if (e not in self.pending) == landed}
 
 
 class ExpertCache:
@@ -257,13 +265,21 @@ class ExpertCache:
             raise
         return wave
 
-    def wait(self, layer: int, expert: int, ready: Ready) -> None:
-        """Make compute wait until `expert`'s copy has landed (GPU-side wait on CUDA)."""
-        self._copier.compute_wait(layer, ready)
+    def missing(self, layer: int, experts: Sequence[int]) -> list[int]:
+        """The `experts` of `layer` that are not resident (nor being copied) right now."""
         with self._lock:
-            if self._ready.get((layer, expert)) is ready:
-                del self._ready[(layer, expert)]
-                self._table.complete((layer, expert))
+            return [e for e in experts if (layer, e) not in self._table]
+
+    def wait_pending(self, wave: Wave) -> None:
+        """Make compute wait until every copy of the wave has landed (GPU-side waits on CUDA)."""
+        if not wave.pending:
+            return
+        self._copier.compute_wait(wave.layer, list(wave.pending.values()))
+        with self._lock:
+            for expert, ready in wave.pending.items():
+                if self._ready.get((wave.layer, expert)) is ready:
+                    del self._ready[(wave.layer, expert)]
+                    self._table.complete((wave.layer, expert))
 
     def release(self, wave: Wave) -> None:
         marker = self._copier.release_marker()
@@ -289,16 +305,10 @@ class ExpertCache:
             self.stats.add(layer, pcie_wait_seconds=seconds)
 
     def _wave(self, layer: int, hits: list[Key], placed: list[tuple[Key, int]], unplaced: list[Key]) -> Wave:
-        rows, pending = {}, []
-        for key in hits + [k for k, _ in placed]:
-            row = self._slots[self._table.slot_of(key)]  # [numel]
-            if self._table.is_in_flight(key):
-                pending.append((key[1], row, self._ready[key]))
-            else:
-                rows[key[1]] = row
         keys = hits + [k for k, _ in placed]
-        return Wave(layer=layer, keys=keys, rows=rows, pending=pending, leftover=[k[1] for k in unplaced],
-                    slots={key[1]: self._table.slot_of(key) for key in keys})
+        return Wave(layer=layer, keys=keys, slots={key[1]: self._table.slot_of(key) for key in keys},
+                    pending={key[1]: self._ready[key] for key in keys if self._table.is_in_flight(key)},
+                    leftover=[k[1] for k in unplaced], allocation=self._slots)
 
     def _start_copies(self, placed: list[tuple[Key, int]], *, demand_layer: int | None) -> Callable[[], None]:
         pairs = [(self._slots[slot], self._store.row(*key)) for key, slot in placed]

@@ -43,16 +43,17 @@ def accumulate_experts(
 
 
 def gathered_experts(
-    x: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor,
-    slot_ids: torch.Tensor, layout: ExpertLayout,
+    x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+    layout: ExpertLayout,
 ) -> torch.Tensor:
     """All routed experts of a few tokens at once, with no host sync: graph-capturable.
 
-    x [T, H]; expert_ids/expert_weights/slot_ids [T, k]; slots [S, numel] holds every needed
-    expert. Gathers the T*k weight rows and runs two batched matmuls — worth it while T*k is
-    small (decode, short verify spans); long prefills use accumulate_experts instead.
+    x [T, H]; expert_weights/slot_ids [T, k] (each token's experts by the slot holding them);
+    slots [S, numel] holds every needed expert. Gathers the T*k weight rows and runs two batched
+    matmuls — worth it while T*k is small (decode, short verify spans); long prefills use
+    accumulate_experts instead.
     """
-    t, k = expert_ids.shape
+    t, k = slot_ids.shape
     i, h = layout.intermediate_size, layout.hidden_size
     rows = slots.index_select(0, slot_ids.reshape(-1))  # [T*k, numel]
     gate_up = rows[:, : 2 * i * h].view(t * k, 2 * i, h)  # [T*k, 2I, H]

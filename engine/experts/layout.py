@@ -22,7 +22,7 @@ class ExpertLayout:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize
 
     def gate_up(self, row: torch.Tensor) -> torch.Tensor:
         """View of the fused gate+up projection, [2I, H] (gate rows first)."""

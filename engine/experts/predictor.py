@@ -1,18 +1,22 @@
 """Next-layer expert predictor (HybriMoE impact-driven / AdapMoE style, no draft model).
 
 The residual stream changes little from one layer to the next, so the hidden state entering MoE
-layer l, pushed through the routers of layers l+1..l+d, is a good guess of their routing. The
-guess is computed on the compute stream with fixed-size tensors only (no host sync), copied to
-the host asynchronously, and handed to the PrefetchWorker with an event it waits on.
+layer l, pushed through the routers of layers l+1..l+d, is a good guess of their routing.
+
+The guess is launched on the compute stream before the layer's one host sync and read back in
+that same sync (the runner packs it with the routing), so predicting costs no sync, no thread and
+no event; the runner then prefetches the guess on the compute thread. An earlier design handed
+guesses to a worker thread, whose Python fought the compute thread for the GIL at every torch call
+and made decode slower than not prefetching at all.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.experts.prefetch import PrefetchTask
 from engine.experts.stats import ExpertStats
 
 
@@ -24,63 +28,67 @@ def token_topk(x: torch.Tensor, router_weight: torch.Tensor, k: int) -> tuple[to
 
 
 def rank_by_impact(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, limit: int) -> torch.Tensor:
-    """Union of the tokens' guesses ordered by summed probability, at most `limit`; -1 pads. [limit]"""
-    impact = torch.zeros(num_experts, device=probs.device).scatter_add_(0, ids.reshape(-1), probs.reshape(-1))
-    top = impact.topk(min(limit, num_experts))  # [m]
+    """Per target layer, the union of the tokens' guesses ordered by summed probability, at most
+    `limit`; -1 pads. probs/ids [d, T*k] -> [d, limit]"""
+    impact = torch.zeros(ids.shape[0], num_experts, device=probs.device).scatter_add_(1, ids, probs)  # [d, E]
+    top = impact.topk(min(limit, num_experts), dim=-1)  # [d, m]
     return torch.where(top.values > 0, top.indices, torch.full_like(top.indices, -1))
 
 
+@dataclass(frozen=True)
+class Guess:
+    """A launched, not yet read, prediction for the layers after some layer."""
+
+    targets: range  # the predicted MoE layers
+    top: tuple[torch.Tensor, torch.Tensor]  # each token's guess per target: (probs, ids) [T, d, k]
+    ranked: torch.Tensor  # [d, m] expert ids to prefetch per target, most impact first, -1 = none
+
+    def next_layer(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token (probs, ids) [T, k] for targets[0]."""
+        return self.top[0][:, 0], self.top[1][:, 0]
+
+
 class NextLayerPredictor:
-    def __init__(self, router_weights: Sequence[torch.Tensor], top_k: int, depth: int,
-                 submit: Callable[[PrefetchTask], None], stats: ExpertStats,
+    def __init__(self, router_weights: Sequence[torch.Tensor], top_k: int, depth: int, stats: ExpertStats,
                  max_per_layer: int | None = None) -> None:
         """`router_weights[l]` is MoE layer l's router [E, H]; prefetch at most `max_per_layer`
         experts per predicted layer (default 2 * top_k, HybriMoE's p)."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self.router_weights = list(router_weights)
+        num_layers = len(router_weights)
         self.top_k = top_k
-        self.depth = depth
         self.max_per_layer = max_per_layer or 2 * top_k
-        self._submit = submit
+        self.num_experts = router_weights[0].shape[0]
+        self._targets = [range(l + 1, min(l + depth, num_layers - 1) + 1) for l in range(num_layers)]
+        # one matmul per layer for all its targets: their routers stacked [d*E, H]
+        self._stacked = [torch.cat([router_weights[t] for t in targets]) if targets else None
+                         for targets in self._targets]
         self._stats = stats
-        self._latest: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}  # layer -> guess
+        self._latest: dict[int, list[int]] = {}  # target layer -> guessed experts
 
-    def predict(self, layer: int, x: torch.Tensor, run_index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Submit prefetches for the layers after `layer`, whose input is x [T, H].
-
-        `run_index` is the index of the current layer run; returns the per-token guess (probs,
-        ids) [T, k] for layer + 1, or None when `layer` is the last one.
-        """
-        targets = range(layer + 1, min(layer + self.depth, len(self.router_weights) - 1) + 1)
-        guesses = [token_topk(x, self.router_weights[t], self.top_k) for t in targets]
-        if not guesses:
+    def guess(self, layer: int, x: torch.Tensor) -> Guess | None:
+        """Launch the guess for the layers after `layer`, whose input is x [T, H]; no host sync.
+        None when `layer` is the last one."""
+        weight = self._stacked[layer]
+        if weight is None:
             return None
-        num_experts = self.router_weights[layer].shape[0]
-        ranked = torch.stack([rank_by_impact(p, i, num_experts, self.max_per_layer) for p, i in guesses])  # [d, m]
-        host, ready = _to_host(ranked)
-        for j, target in enumerate(targets):
-            self._latest[target] = (host[j], ready)
-            self._submit(PrefetchTask(layer=target, experts=host[j], ready=ready, due=run_index + j + 1))
-        return guesses[0]
+        targets, t, e = self._targets[layer], x.shape[0], self.num_experts
+        probs = F.linear(x, weight).float().view(t, len(targets), e).softmax(dim=-1)  # [T, d, E]
+        top = probs.topk(self.top_k, dim=-1)  # [T, d, k]
+        if t == 1:  # one token's top-k is already its impact order: spare the ranking's launches
+            return Guess(targets, top, top.indices[0, :, : self.max_per_layer])
+        values, ids = (v.transpose(0, 1).reshape(len(targets), -1) for v in top)  # [d, T*k] each
+        return Guess(targets, top, rank_by_impact(values, ids, e, self.max_per_layer))
+
+    def remember(self, guess: Guess, ranked: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
+        """Take the guess as read back on the host ([d][m]); return (layer, experts) to prefetch."""
+        wanted = [(target, [e for e in row if e >= 0]) for target, row in zip(guess.targets, ranked)]
+        self._latest.update(wanted)
+        return wanted
 
     def record_used(self, layer: int, used: Sequence[int]) -> None:
         """Score the latest guess for `layer` against the experts it actually used."""
-        guess = self._latest.pop(layer, None)
-        if guess is None:
-            return
-        ids, ready = guess
-        if ready is not None:
-            ready.synchronize()  # long done: the layers in between synced on their routing
-        predicted = {e for e in ids.tolist() if e >= 0}
-        self._stats.add(layer, predicted_correct=len(predicted.intersection(used)), predicted_needed=len(used))
-
-
-def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Asynchronous device->host copy (pinned destination) plus the event that marks it done."""
-    if t.device.type != "cuda":
-        return t, None
-    host = t.to("cpu", non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+        predicted = self._latest.pop(layer, None)
+        if predicted is not None:
+            self._stats.add(layer, predicted_correct=len(set(predicted).intersection(used)),
+                            predicted_needed=len(used))

@@ -1,6 +1,7 @@
 """PrefetchWorker: a thread that copies predicted experts into the cache ahead of need.
 
-SP-MoE Algorithm 2. Producers (predictors, on the compute thread) push PrefetchTasks; the worker
+SP-MoE Algorithm 2. Producers (speculative decoding's draft-phase predictors, on the compute
+thread) push PrefetchTasks; the worker
 waits on each task's ready event (on this thread, so compute never blocks), drops experts that
 are resident or already in flight, reserves slots through the eviction policy (never pinned or
 in-flight ones; without a free slot the rest of the task is dropped and counted) and issues the

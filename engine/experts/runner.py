@@ -1,14 +1,18 @@
 """CachedExpertRunner: the data path of one MoE layer over the GPU expert cache.
 
-Per layer: one host sync to learn which experts are needed; pin the resident ones and start all
-missing ones' demand copies together; predict and prefetch later layers; compute the resident
-experts while the copies fly; then wait on each missing expert's own event and compute them. If
-the layer needs more experts than the cache can hold at once (a long verify pass, a tiny
-budget) it runs in waves: fill, compute, unpin, refill. Caching never changes the math.
+Per layer run the host launches the next-layer guess (when prefetching), then reads the routing,
+the MRS scores and the guess back in ONE host sync. Misses that the cost model gives to the CPU
+(--cpu-experts) start on a CPU thread; the other experts are pinned (hits) or demand-copied and
+computed: one token by one gathered batched matmul after its copies landed, more tokens grouped
+by expert while the copies fly. Then the guess is prefetched and the CPU's sum added. If the
+layer needs more experts than the cache can hold at once (a long verify pass, a tiny budget) it
+runs in waves: fill, compute, unpin, refill. Neither caching nor the CPU changes the math.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -16,8 +20,15 @@ import torch
 from engine.config import EngineConfig, parse_budget
 from engine.experts.cache import CopyFn, ExpertCache, ExpertSource, Wave, copy_row
 from engine.experts.compute import accumulate_experts, gathered_experts
+from engine.experts.cpu_experts import (
+    CPU_EXPERT_MODES,
+    CpuExperts,
+    CpuJob,
+    ExpertCosts,
+    profile_costs,
+)
 from engine.experts.policies import MRSPolicy, make_policy
-from engine.experts.predictor import NextLayerPredictor, token_topk
+from engine.experts.predictor import Guess, NextLayerPredictor, token_topk
 from engine.experts.prefetch import PrefetchWorker
 from engine.experts.routing import LayerRouting
 from engine.experts.stats import StatsSnapshot
@@ -37,14 +48,38 @@ def layer_scores(router_probs: torch.Tensor, top_p: int) -> torch.Tensor:
     return scores.scatter_add_(0, top.indices.reshape(-1), top.values.reshape(-1)) / router_probs.shape[0]
 
 
+@dataclass(frozen=True)
+class ReadBack:
+    """What the host learns in a layer run's one sync."""
+
+    ids: list[list[int]]  # [T][k] each token's experts
+    experts: list[int]  # the distinct ones, ascending
+    ranked: list[list[int]]  # [d][m] the next-layer guess per predicted layer; empty without one
+
+
+def _chunks(values: list, size: int) -> list[list[int]]:
+    return [[int(v) for v in values[i : i + size]] for i in range(0, len(values), size)]
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a host sync (pinned staging on CUDA)."""
+    if device.type != "cuda":
+        return torch.tensor(values, device=device)
+    return torch.tensor(values, pin_memory=True).to(device, non_blocking=True)
+
+
 class CachedExpertRunner:
     def __init__(self, store: ExpertSource, budget: int | float | None, policy: str = "lru",
                  device: torch.device | str = "cpu", *, top_k: int, prefetch: str = "none",
                  prefetch_depth: int = 1, copy_fn: CopyFn = copy_row,
-                 observer: RoutingObserver | None = None) -> None:
-        """`budget`: bytes (int), fraction of all expert bytes (float) or None for all experts."""
+                 observer: RoutingObserver | None = None, cpu_experts: str = "off",
+                 cpu_costs: ExpertCosts | None = None) -> None:
+        """`budget`: bytes (int), fraction of all expert bytes (float) or None for all experts.
+        `cpu_costs` replaces the start-up profile of cpu_experts='auto' (tests)."""
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown prefetch mode {prefetch!r}; choose one of {', '.join(PREFETCH_MODES)}")
+        if cpu_experts not in CPU_EXPERT_MODES:
+            raise ValueError(f"unknown cpu-experts mode {cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}")
         self.layout = store.layout
         self.num_layers = store.num_layers
         self.top_k = top_k
@@ -53,10 +88,13 @@ class CachedExpertRunner:
         self._mrs_top_p = eviction.top_p if isinstance(eviction, MRSPolicy) else None
         self.cache = ExpertCache(store, budget, eviction, device, top_k, copy_fn)
         self.prefetch_mode = prefetch
-        self._worker = PrefetchWorker(self.cache, lambda: self._runs) if prefetch != "none" else None
+        self._worker: PrefetchWorker | None = None  # speculative decoding's prefetches only
         self._observer = observer
         self._router_weights: list[torch.Tensor] = []
         self._predictor: NextLayerPredictor | None = None
+        self._cpu: CpuExperts | None = None
+        if cpu_experts == "auto" and self.cache.resident_slots is None:  # all resident: nothing is ever missed
+            self._cpu = CpuExperts(store, cpu_costs or profile_costs(store, self.cache.device))
         self._runs = 0  # layer runs started, the prefetch worker's clock
 
     @classmethod
@@ -64,48 +102,48 @@ class CachedExpertRunner:
                     observer: RoutingObserver | None = None) -> CachedExpertRunner:
         budget = parse_budget(config.gpu_expert_budget) if config.gpu_expert_budget is not None else None
         return cls(store, budget, config.cache_policy, config.device, top_k=top_k, prefetch=config.prefetch,
-                   prefetch_depth=config.prefetch_depth, observer=observer)
+                   prefetch_depth=config.prefetch_depth, observer=observer, cpu_experts=config.cpu_experts)
 
     def set_router_weights(self, weights: Sequence[torch.Tensor]) -> None:
         """Hook in the model's routers ([E, H] per MoE layer) for the predictor and traces."""
         self._router_weights = list(weights)
         if self.prefetch_mode == "next-layer":
             self._predictor = NextLayerPredictor(self._router_weights, self.top_k, self.prefetch_depth,
-                                                 self._worker.submit, self.cache.stats)
+                                                 self.cache.stats)
 
     def run(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
         if self.prefetch_mode == "next-layer" and self._predictor is None:
             raise RuntimeError("prefetch='next-layer' needs set_router_weights(model.router_weights()) first")
         self._runs += 1
-        layer = routing.layer
         if self.graph_safe and x.shape[0] == 1:
             return self._run_resident(x, routing)
-        used, experts = self._needed(routing)
+        layer = routing.layer
+        guess = self._predictor.guess(layer, x) if self._predictor is not None else None
+        back = self._read_back(routing, guess)
         if self._predictor is not None:
-            self._predictor.record_used(layer, experts)
-        out = torch.zeros_like(x)  # [T, H]
-        wave = self.cache.acquire(layer, experts)
-        next_guess = self._look_ahead(layer, x)  # after pinning: prefetch cannot evict this layer
+            self._predictor.record_used(layer, back.experts)
         if self._observer is not None:
-            self._observer.on_layer(routing, next_guess)
-        while True:
-            try:
-                if x.shape[0] == 1 and not wave.leftover:
-                    return self._compute_gathered(x, routing, wave, used)
-                self._compute(out, x, routing, wave)
-            finally:
-                self.cache.release(wave)
-            if not wave.leftover:
-                return out
-            wave = self.cache.acquire(layer, wave.leftover)
+            self._observer.on_layer(routing, self._next_guess(layer, x, guess))
+        job = self._start_cpu(x, routing, back) if self._cpu is not None else None
+        on_gpu = back.experts if job is None else [e for e in back.experts if e not in job.experts]
+        out = self._run_on_gpu(x, routing, back.ids, on_gpu)
+        if guess is not None:  # after this layer's compute is queued, so the GPU works meanwhile
+            for target, experts in self._predictor.remember(guess, back.ranked):
+                self.cache.prefetch(target, experts)
+        return out if job is None else self._cpu.finish(job, out)
 
     @property
     def layer_runs(self) -> int:
         """MoE layer runs started so far: the clock prefetch deadlines are measured in."""
         return self._runs
 
+    @property
+    def cpu_costs(self) -> ExpertCosts | None:
+        """The cost model deciding which misses run on the CPU; None when --cpu-experts is off."""
+        return self._cpu.costs if self._cpu is not None else None
+
     def prefetch_worker(self) -> PrefetchWorker:
-        """The prefetch worker, started on first use (speculative decoding prefetches without --prefetch)."""
+        """The prefetch thread for speculative decoding's predictions, started on first use."""
         if self._worker is None:
             self._worker = PrefetchWorker(self.cache, lambda: self._runs)
         return self._worker
@@ -123,8 +161,7 @@ class CachedExpertRunner:
         if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.cache.stats.add(routing.layer, hits=routing.expert_ids.shape[1])
         slot_ids = self.cache.resident_slots[routing.layer][routing.expert_ids]  # [1, k]
-        return gathered_experts(x, routing.expert_ids, routing.expert_weights, self.cache.slots, slot_ids,
-                                self.layout)
+        return gathered_experts(x, routing.expert_weights, self.cache.slots, slot_ids, self.layout)
 
     def count_replayed_token(self, experts_per_layer: int) -> None:
         """Book one token replayed by a CUDA graph: each MoE layer used that many resident experts."""
@@ -150,46 +187,81 @@ class CachedExpertRunner:
             self._worker.wait_idle()
 
     def close(self) -> None:
+        if self._cpu is not None:
+            self._cpu.close()
         if self._worker is not None:
             self._worker.close()
 
-    def _needed(self, routing: LayerRouting) -> tuple[torch.Tensor, list[int]]:
-        """The layer's distinct experts — as a device 0/1 mask [E] and a sorted host list — and the
-        MRS scores, with the layer's one host sync."""
-        probs = routing.router_probs  # [T, E]
-        used = torch.zeros(probs.shape[-1], device=probs.device).index_fill_(0, routing.expert_ids.reshape(-1), 1.0)
-        if self._mrs_top_p is None:
-            return used, [e for e, u in enumerate(used.tolist()) if u]
-        used_list, scores = torch.stack([used, layer_scores(probs, self._mrs_top_p)]).tolist()  # [2, E]
-        self.cache.observe_scores(routing.layer, scores)
-        return used, [e for e, u in enumerate(used_list) if u]
+    def _read_back(self, routing: LayerRouting, guess: Guess | None) -> ReadBack:
+        """The layer's one host sync: its routing, MRS scores and the next-layer guess in one transfer."""
+        t, k = routing.expert_ids.shape
+        parts = [routing.expert_ids.reshape(-1)]  # [T*k]
+        if self._mrs_top_p is not None:
+            parts.append(layer_scores(routing.router_probs, self._mrs_top_p))  # [E]
+        if guess is not None:
+            parts.append(guess.ranked.reshape(-1))  # [d*m]
+        dtype = torch.float32 if self._mrs_top_p is not None else torch.long  # ids < 2**24: exact as floats
+        flat = (torch.cat([p.to(dtype) for p in parts]) if len(parts) > 1 else parts[0]).tolist()
+        ids, rest = _chunks(flat[: t * k], k), flat[t * k :]
+        if self._mrs_top_p is not None:
+            num_experts = routing.router_probs.shape[-1]
+            self.cache.observe_scores(routing.layer, rest[:num_experts])
+            rest = rest[num_experts:]
+        ranked = _chunks(rest, guess.ranked.shape[1]) if guess is not None else []
+        return ReadBack(ids, sorted({e for row in ids for e in row}), ranked)
 
-    def _look_ahead(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self._predictor is not None:
-            return self._predictor.predict(layer, x, self._runs)
-        if self._observer is not None and layer + 1 < len(self._router_weights):
+    def _next_guess(self, layer: int, x: torch.Tensor, guess: Guess | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if guess is not None:
+            return guess.next_layer()
+        if layer + 1 < len(self._router_weights):
             return token_topk(x, self._router_weights[layer + 1], self.top_k)
         return None
 
-    def _compute_gathered(self, x: torch.Tensor, routing: LayerRouting, wave: Wave, used: torch.Tensor) -> torch.Tensor:
-        """One token whose experts all fit in this wave: wait for its copies, then one gathered
-        batched matmul instead of a launch train and two host syncs per expert group."""
-        for expert, _, ready in wave.pending:
-            self.cache.wait(wave.layer, expert, ready)
-        slot_of_rank = torch.tensor([wave.slots[e] for e in sorted(wave.slots)], device=x.device)  # [n]
-        rank = used.cumsum(0).long() - 1  # [E]: position of each used expert among the sorted used ones
-        slot_ids = slot_of_rank[rank[routing.expert_ids]]  # [1, k]
-        return gathered_experts(x, routing.expert_ids, routing.expert_weights, self.cache.slots, slot_ids,
-                                self.layout)
+    def _start_cpu(self, x: torch.Tensor, routing: LayerRouting, back: ReadBack) -> CpuJob | None:
+        missing = self.cache.missing(routing.layer, back.experts)
+        if not missing:
+            return None
+        tokens = Counter(e for row in back.ids for e in row)  # a token's k experts are distinct
+        job = self._cpu.start(x, routing, back.ids, {e: tokens[e] for e in missing})
+        if job is not None:
+            self.cache.stats.add(routing.layer, misses=len(job.experts), cpu_expert_computations=len(job.experts))
+        return job
+
+    def _run_on_gpu(self, x: torch.Tensor, routing: LayerRouting, ids: list[list[int]],
+                    experts: list[int]) -> torch.Tensor:
+        """The sum over the token's `experts` (the ones not left to the CPU) from the GPU cache. [T, H]"""
+        if not experts:
+            return torch.zeros_like(x)
+        wave = self.cache.acquire(routing.layer, experts)
+        out = None if x.shape[0] == 1 and not wave.leftover else torch.zeros_like(x)  # [T, H]
+        while True:
+            try:
+                if out is None:
+                    return self._compute_gathered(x, routing, wave, ids[0])
+                self._compute(out, x, routing, wave)
+            finally:
+                self.cache.release(wave)
+            if not wave.leftover:
+                return out
+            wave = self.cache.acquire(routing.layer, wave.leftover)
+
+    def _compute_gathered(self, x: torch.Tensor, routing: LayerRouting, wave: Wave, ids: list[int]) -> torch.Tensor:
+        """One token whose GPU experts all fit in this wave: wait for its copies, then one gathered
+        batched matmul; the slot ids travel with a non-blocking copy, so no second host sync."""
+        self.cache.wait_pending(wave)
+        keep = [j for j, e in enumerate(ids) if e in wave.slots]  # positions in the top-k not left to the CPU
+        index = _to_device([[wave.slots[ids[j]] for j in keep], keep], x.device)  # [2, k']: slot, position
+        weights = routing.expert_weights if len(keep) == len(ids) else routing.expert_weights[:, index[1]]
+        return gathered_experts(x, weights, self.cache.slots, index[:1], self.layout)
 
     def _compute(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, wave: Wave) -> None:
         ids, weights = routing.expert_ids, routing.expert_weights  # [T, k] each
-        if wave.rows:  # runs while the wave's copies are in flight
-            accumulate_experts(out, x, ids, weights, wave.rows, self.layout)
+        landed = wave.rows(landed=True)
+        if landed:  # runs while the wave's copies are in flight
+            accumulate_experts(out, x, ids, weights, landed, self.layout)
         if not wave.pending:
             return
-        for expert, _, ready in wave.pending:
-            self.cache.wait(wave.layer, expert, ready)
+        self.cache.wait_pending(wave)
         # One call for all copied experts: each accumulate_experts call syncs the host twice
         # (~0.4 ms on H100), more than one expert's copy takes, so per-expert calls lose.
-        accumulate_experts(out, x, ids, weights, {e: row for e, row, _ in wave.pending}, self.layout)
+        accumulate_experts(out, x, ids, weights, wave.rows(landed=False), self.layout)

@@ -14,7 +14,7 @@ from engine.experts.slots import Placement, WavePlan
 @dataclass
 class LayerStats:
     hits: int = 0  # needed experts found resident (or already being prefetched)
-    misses: int = 0  # needed experts copied on demand
+    misses: int = 0  # needed experts not resident: copied on demand, or computed on the CPU
     demand_bytes: int = 0  # host->device bytes copied because compute needed them now
     prefetch_bytes: int = 0  # host->device bytes copied ahead of need
     evictions: int = 0  # experts of this layer pushed out of the cache
@@ -26,6 +26,7 @@ class LayerStats:
     predicted_correct: int = 0  # |predicted ∩ used| for the next-layer predictor
     predicted_needed: int = 0  # |used| for the layer runs the predictor had a guess for
     pcie_wait_seconds: float = 0.0  # time compute was blocked on expert copies
+    cpu_expert_computations: int = 0  # missed experts run on the CPU instead of copied (--cpu-experts)
 
     @property
     def accesses(self) -> int:
@@ -62,24 +63,29 @@ class ExpertStats:
 
     def add(self, layer: int, **deltas: float) -> None:
         with self._lock:
-            counters = self._layers[layer]
-            for name, delta in deltas.items():
-                setattr(counters, name, getattr(counters, name) + delta)
+            self._add(layer, deltas)
 
     def add_wave(self, layer: int, plan: WavePlan, expert_bytes: int) -> None:
         misses = len(plan.misses.placed)
-        self.add(layer, hits=len(plan.hits), misses=misses, demand_bytes=misses * expert_bytes,
-                 prefetch_used=plan.prefetch_used, waves=1)
-        self.add_evictions(plan.misses)
+        with self._lock:  # once per layer run: one lock, not one per counter
+            self._add(layer, {"hits": len(plan.hits), "misses": misses, "demand_bytes": misses * expert_bytes,
+                              "prefetch_used": plan.prefetch_used, "waves": 1})
+            self._add_evictions(plan.misses)
 
     def add_prefetch(self, layer: int, placement: Placement, expert_bytes: int) -> None:
-        self.add(layer, prefetch_bytes=len(placement.placed) * expert_bytes,
-                 prefetch_dropped=len(placement.unplaced))
-        self.add_evictions(placement)
+        with self._lock:
+            self._add(layer, {"prefetch_bytes": len(placement.placed) * expert_bytes,
+                              "prefetch_dropped": len(placement.unplaced)})
+            self._add_evictions(placement)
 
-    def add_evictions(self, placement: Placement) -> None:
+    def _add(self, layer: int, deltas: dict[str, float]) -> None:
+        counters = self._layers[layer]
+        for name, delta in deltas.items():
+            setattr(counters, name, getattr(counters, name) + delta)
+
+    def _add_evictions(self, placement: Placement) -> None:
         for ev in placement.evictions:
-            self.add(ev.key[0], evictions=1, prefetch_wasted=int(ev.wasted_prefetch))
+            self._add(ev.key[0], {"evictions": 1, "prefetch_wasted": int(ev.wasted_prefetch)})
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:

@@ -62,6 +62,21 @@ def test_offloaded_greedy_equals_transformers(checkpoints, device, family, polic
     assert stats["pcie_bytes"] > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpu_experts_auto_equals_transformers_and_is_counted(checkpoints, device):
+    config = EngineConfig(model=checkpoints["olmoe"], device=device, dtype="float32", gpu_expert_budget="40%",
+                          cpu_experts="auto")
+    core = EngineCore(config)
+    try:
+        done = run_to_completion(core, GenerateRequest("r", PROMPT, SamplingParams(max_tokens=NEW_TOKENS, temperature=0)))
+        stats = core.runtime.generation_stats(ttft_seconds=None, tpot_seconds=None)
+        assert done.token_ids == hf_greedy("olmoe")
+        assert stats["cpu_expert_computations"] == core.metrics_snapshot().cpu_expert_computations
+        assert core.runtime.describe()["cpu_experts"] == "auto"
+    finally:
+        core.close()
+
+
 def test_seeded_sampling_is_reproducible_and_seed_dependent(checkpoints):
     config = EngineConfig(model=checkpoints["olmoe"], gpu_expert_budget="50%")
     core = EngineCore(config)
@@ -113,7 +128,8 @@ def test_moe_generate_json(checkpoints):
     )
     result = json.loads(out.stdout)
     assert result["token_ids"] == hf_greedy("qwen2_moe")[:6]
-    for key in ("expert_hits", "expert_misses", "hit_rate", "pcie_bytes", "pcie_wait_seconds", "tpot_seconds", "ttft_seconds"):
+    for key in ("expert_hits", "expert_misses", "hit_rate", "pcie_bytes", "pcie_wait_seconds", "cpu_expert_computations",
+                "tpot_seconds", "ttft_seconds"):
         assert key in result["stats"]
     assert "text" not in result  # the tiny checkpoint has no tokenizer
 

@@ -1,10 +1,13 @@
 """CachedExpertRunner: caching never changes the math; counters add up."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.experts.cache import copy_row
 from engine.experts.runner import CachedExpertRunner, layer_scores
 
 TOP_K = 2
@@ -79,12 +82,20 @@ def test_repeated_routing_hits_and_counts_wait_time(store, make_routing) -> None
 
 def test_next_layer_prefetch_turns_misses_into_hits(store, make_routing) -> None:
     weights = _router_weights(store)
-    runner = CachedExpertRunner(store, 6 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, prefetch="next-layer")
+    copied_on: set[str] = set()
+
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        copied_on.add(threading.current_thread().name)
+        copy_row(dst, src)
+
+    runner = CachedExpertRunner(store, 6 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, prefetch="next-layer",
+                                copy_fn=copy)
     runner.set_router_weights(weights)
     x = torch.randn(1, store.layout.hidden_size, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     gen = torch.Generator().manual_seed(6)
     runner.run(x, make_routing(0, 1, store.num_experts, TOP_K, gen))
-    runner.wait_prefetch_idle()
+    # prefetched by the run itself on the compute thread: no second thread contends for the GIL
+    assert copied_on == {threading.current_thread().name}
     # layer 1 routes exactly as its router says for this x: the predictor's guess is right
     probs = (x @ weights[1].T).softmax(-1)  # [1, E]
     top = probs.topk(TOP_K, dim=-1)

@@ -34,7 +34,7 @@ def test_grouped_and_gathered_match_reference():
     perm = torch.randperm(slots.shape[0], generator=torch.Generator().manual_seed(3))
     shuffled = torch.empty_like(slots)
     shuffled[perm] = slots
-    torch.testing.assert_close(gathered_experts(x, ids, weights, shuffled, perm[ids], layout), expected)
+    torch.testing.assert_close(gathered_experts(x, weights, shuffled, perm[ids], layout), expected)
 
 
 def test_grouped_skips_absent_experts_for_later_waves():

@@ -11,6 +11,7 @@ import torch
 
 from engine.experts.cache import copy_row
 from engine.experts.compute import accumulate_experts
+from engine.experts.cpu_experts import ExpertCosts, profile_costs
 from engine.experts.layout import ExpertLayout
 from engine.experts.routing import LayerRouting
 from engine.experts.runner import CachedExpertRunner
@@ -70,6 +71,28 @@ def test_cuda_output_equals_reference_with_slow_copies(policy: str, prefetch: st
     total = runner.stats().total()
     assert total.demand_bytes == total.misses * store.layout.nbytes
     assert total.pcie_wait_seconds > 0.005  # event-timed stalls on the compute stream
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_cuda_misses_on_the_cpu_equal_reference(tokens: int) -> None:
+    store = _store(layers=4, experts=8, hidden=64, inter=32)
+    routers = [torch.randn(8, 64, device=CUDA, dtype=torch.float64) for _ in range(4)]
+    some_on_cpu = ExpertCosts(copy_seconds=1.0, cpu_base_seconds=0.6, cpu_per_token_seconds=0.0)
+    runner = CachedExpertRunner(store, 5 * store.layout.nbytes, "lru", CUDA, top_k=TOP_K, prefetch="next-layer",
+                                copy_fn=_slow_copy, cpu_experts="auto", cpu_costs=some_on_cpu)
+    runner.set_router_weights(routers)
+    try:
+        _check_run(runner, store, routers, tokens, steps=3)
+    finally:
+        runner.close()
+    total = runner.stats().total()
+    assert total.cpu_expert_computations > 0
+    assert total.demand_bytes == (total.misses - total.cpu_expert_computations) * store.layout.nbytes
+
+
+def test_cuda_profiled_costs_are_positive() -> None:
+    costs = profile_costs(_store(layers=1, experts=4, hidden=256, inter=128), CUDA, repeats=2)
+    assert costs.copy_seconds > 0 and costs.cpu_seconds(1) > 0
 
 
 def test_cuda_waves_do_not_overwrite_slots_compute_still_reads() -> None:

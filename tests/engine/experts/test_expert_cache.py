@@ -29,9 +29,8 @@ def test_acquired_rows_equal_store_rows_and_evictions_follow_lru(store) -> None:
     for layer, experts in ((0, [1, 2]), (1, [3]), (0, [1, 5])):
         wave = cache.acquire(layer, experts)
         assert not wave.leftover
-        for expert, row, ready in wave.pending:
-            cache.wait(layer, expert, ready)
-        rows = {**wave.rows, **{e: r for e, r, _ in wave.pending}}
+        cache.wait_pending(wave)
+        rows = {**wave.rows(landed=True), **wave.rows(landed=False)}
         assert sorted(rows) == experts
         assert all(torch.equal(r, store.row(layer, e)) for e, r in rows.items())
         cache.release(wave)
@@ -45,7 +44,7 @@ def test_acquired_rows_equal_store_rows_and_evictions_follow_lru(store) -> None:
 def test_all_experts_budget_is_preloaded(store) -> None:
     cache = ExpertCache(store, None, LRUPolicy(), "cpu", top_k=2)
     wave = cache.acquire(2, list(range(store.num_experts)))
-    assert not wave.pending and all(torch.equal(r, store.row(2, e)) for e, r in wave.rows.items())
+    assert not wave.pending and all(torch.equal(r, store.row(2, e)) for e, r in wave.rows(landed=True).items())
     cache.release(wave)
     total = cache.stats.snapshot().total()
     assert (total.hits, total.misses, total.demand_bytes) == (store.num_experts, 0, 0)
@@ -55,9 +54,8 @@ def test_wave_when_more_experts_than_slots(store) -> None:
     cache = ExpertCache(store, store.layout.nbytes * 2, LRUPolicy(), "cpu", top_k=2)
     first = cache.acquire(0, [0, 1, 2, 3, 4])
     assert len(first.pending) == 2 and first.leftover == [2, 3, 4]
-    for expert, _, ready in first.pending:
-        cache.wait(0, expert, ready)
+    cache.wait_pending(first)
     cache.release(first)
     second = cache.acquire(0, first.leftover)
-    assert [e for e, _, _ in second.pending] == [2, 3] and second.leftover == [4]
+    assert list(second.pending) == [2, 3] and second.leftover == [4]
     cache.release(second)

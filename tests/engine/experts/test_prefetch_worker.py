@@ -43,22 +43,23 @@ def test_compute_never_reads_a_slot_before_its_slow_prefetch_landed(store, refer
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(store.num_experts, store.layout.hidden_size, generator=gen, dtype=torch.float64)
                for _ in range(store.num_layers)]
-    runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K,
-                                prefetch="next-layer", copy_fn=slow_copy)
-    runner.set_router_weights(weights)
+    runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, copy_fn=slow_copy)
+    worker = runner.prefetch_worker()
     x = torch.randn(1, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [1, H]
     routings = [_routing_as_router_says(layer, x, weights[layer]) for layer in range(store.num_layers)]
     for layer, routing in enumerate(routings):
         torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
         if layer + 1 < store.num_layers:  # let the worker start on the next layer before compute gets there
-            rows = {store.row(layer + 1, e).data_ptr() for e in routings[layer + 1].expert_ids[0].tolist()}
+            experts = routings[layer + 1].expert_ids[0]
+            worker.submit(PrefetchTask(layer + 1, experts, ready=None, due=runner.layer_runs + 1))
+            rows = {store.row(layer + 1, e).data_ptr() for e in experts.tolist()}
             with progress:
-                assert progress.wait_for(lambda: rows & started, timeout=5), "the next layer was never prefetched"
+                assert progress.wait_for(lambda rows=rows: rows & started, timeout=5), "the next layer was never prefetched"
     runner.finish_step()
     runner.close()
     later = runner.stats().per_layer[1:]
     assert all(s.hits == TOP_K and s.misses == 0 and s.prefetch_used == TOP_K for s in later)
-    # compute found the slots still in flight and waited (layer 1 may have been covered by warm-up)
+    # compute found the slots still in flight and waited
     assert sum(s.pcie_wait_seconds for s in later) > SLOW
 
 
@@ -68,18 +69,13 @@ def test_worker_failure_surfaces_on_the_compute_thread(store, make_routing) -> N
             raise OSError("DMA engine on fire")
         copy_row(dst, src)
 
-    runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K,
-                                prefetch="next-layer", copy_fn=failing_copy)
-    gen = torch.Generator().manual_seed(1)
-    runner.set_router_weights([torch.randn(store.num_experts, store.layout.hidden_size, generator=gen,
-                                           dtype=torch.float64) for _ in range(store.num_layers)])
-    x = torch.randn(1, store.layout.hidden_size, generator=gen, dtype=torch.float64)
-    runner.run(x, make_routing(0, 1, store.num_experts, TOP_K, gen))
+    runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, copy_fn=failing_copy)
+    runner.prefetch_worker().submit(PrefetchTask(1, torch.tensor([3, 4]), ready=None, due=10))
     with pytest.raises(RuntimeError, match="prefetch worker failed") as failure:
         runner.wait_prefetch_idle()
     assert isinstance(failure.value.__cause__, OSError)
     with pytest.raises(RuntimeError, match="prefetch worker failed"):
-        runner.run(x, make_routing(1, 1, store.num_experts, TOP_K, gen))
+        runner.finish_step()
     with pytest.raises(RuntimeError, match="prefetch worker failed"):
         runner.close()
 
@@ -98,10 +94,9 @@ def test_failed_prefetch_is_forgotten_not_served(store) -> None:
         cache.prefetch(0, [3])
     broken.clear()
     wave = cache.acquire(0, [3])  # the failed copy is dropped, then copied on demand
-    assert not wave.rows and [e for e, _, _ in wave.pending] == [3]
-    expert, row, ready = wave.pending[0]
-    cache.wait(0, expert, ready)
-    assert torch.equal(row, store.row(0, 3))
+    assert not wave.rows(landed=True) and list(wave.pending) == [3]
+    cache.wait_pending(wave)
+    assert torch.equal(wave.rows(landed=False)[3], store.row(0, 3))
     cache.release(wave)
     assert cache.stats.snapshot().per_layer[0].misses == 1
 

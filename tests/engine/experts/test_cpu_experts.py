@@ -1,0 +1,87 @@
+"""Missed experts on the CPU: the HybriMoE decision from a cost model, and unchanged math."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.experts.cpu_experts import ExpertCosts, choose_cpu_experts, profile_costs
+from engine.experts.runner import CachedExpertRunner
+
+TOP_K = 2
+ALL_ON_CPU = ExpertCosts(copy_seconds=1.0, cpu_base_seconds=0.0, cpu_per_token_seconds=0.0)
+SOME_ON_CPU = ExpertCosts(copy_seconds=1.0, cpu_base_seconds=0.6, cpu_per_token_seconds=0.0)
+
+
+def test_cpu_takes_the_least_loaded_misses_while_that_shortens_the_layer() -> None:
+    costs = ExpertCosts(copy_seconds=1.0, cpu_base_seconds=0.2, cpu_per_token_seconds=0.2)
+    # copies alone: 3.0; expert 2 (1 token) on the CPU: max(0.4, 2.0); then 7: max(1.0, 1.0);
+    # then 5 would make it max(1.8, 0.0) = 1.8 > 1.0
+    assert choose_cpu_experts({5: 3, 2: 1, 7: 2}, costs) == [2, 7]
+    assert choose_cpu_experts({4: 1}, ExpertCosts(1.0, 1.5, 0.0)) == []  # one copy beats one slow CPU run
+    assert choose_cpu_experts({4: 1, 6: 1, 9: 1}, ExpertCosts(1.0, 1.5, 0.0)) == [4]  # but it overlaps 2 copies
+    assert choose_cpu_experts({}, costs) == []
+    assert choose_cpu_experts({1: 4, 3: 2}, ALL_ON_CPU) == [3, 1]
+
+
+def _drive(runner: CachedExpertRunner, store, make_routing, reference, tokens: int, steps: int = 3) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        for layer in range(store.num_layers):
+            x = torch.randn(tokens, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
+            routing = make_routing(layer, tokens, store.num_experts, TOP_K, gen)
+            torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
+        runner.finish_step()
+
+
+@pytest.mark.parametrize("policy,prefetch", [("lru", "none"), ("mrs", "next-layer")])
+@pytest.mark.parametrize("slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
+def test_output_equals_reference_with_some_misses_on_the_cpu(store, make_routing, reference, policy, prefetch,
+                                                             slots, tokens) -> None:
+    runner = CachedExpertRunner(store, slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K, prefetch=prefetch,
+                                cpu_experts="auto", cpu_costs=SOME_ON_CPU)
+    runner.set_router_weights([torch.randn(store.num_experts, store.layout.hidden_size, dtype=torch.float64)
+                               for _ in range(store.num_layers)])
+    try:
+        _drive(runner, store, make_routing, reference, tokens)
+    finally:
+        runner.close()
+    total = runner.stats().total()
+    copied = total.demand_bytes // store.layout.nbytes
+    assert total.cpu_expert_computations > 0 and copied > 0
+    assert total.misses == copied + total.cpu_expert_computations
+
+
+def test_all_misses_on_the_cpu_copy_nothing(store, make_routing, reference) -> None:
+    runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, cpu_experts="auto",
+                                cpu_costs=ALL_ON_CPU)
+    try:
+        _drive(runner, store, make_routing, reference, tokens=1)
+    finally:
+        runner.close()
+    total = runner.stats().total()
+    assert total.cpu_expert_computations == total.misses > 0
+    assert (total.hits, total.demand_bytes, runner.resident_experts) == (0, 0, 0)
+
+
+def test_profiled_costs_are_measured_and_drive_auto(store, make_routing, reference) -> None:
+    costs = profile_costs(store, torch.device("cpu"), repeats=2)
+    assert costs.copy_seconds > 0 and costs.cpu_seconds(1) > 0 and costs.cpu_per_token_seconds >= 0
+    assert all(math.isfinite(v) for v in (costs.copy_seconds, costs.cpu_base_seconds, costs.cpu_per_token_seconds))
+    runner = CachedExpertRunner.from_config(store, EngineConfig(model="m", gpu_expert_budget="25%", cpu_experts="auto"),
+                                            top_k=TOP_K)
+    try:
+        assert runner.cpu_costs is not None
+        _drive(runner, store, make_routing, reference, tokens=2, steps=1)
+    finally:
+        runner.close()
+
+
+def test_cpu_experts_off_or_all_resident_profiles_nothing(store) -> None:
+    assert CachedExpertRunner(store, 0.5, "lru", "cpu", top_k=TOP_K).cpu_costs is None
+    resident = CachedExpertRunner(store, None, "lru", "cpu", top_k=TOP_K, cpu_experts="auto")
+    assert resident.cpu_costs is None  # every expert resident: nothing is ever missed
+    with pytest.raises(ValueError, match="off, auto"):
+        CachedExpertRunner(store, 0.5, "lru", "cpu", top_k=TOP_K, cpu_experts="always")
