@@ -232,7 +232,10 @@ def _exchange(server: RunningServer, data: bytes) -> bytes:
     chunks = []
     with _connect(server) as sock:
         sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the server already answered and closed: what it sent is still readable
+            pass
         try:
             while chunk := sock.recv(65536):
                 chunks.append(chunk)
