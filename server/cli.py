@@ -23,6 +23,10 @@ log = logging.getLogger("moe_serve")
 # in a stream); below serving.SHUTDOWN_GRACE_SECONDS and uvicorn's timeout_graceful_shutdown.
 SHUTDOWN_DRAIN_SECONDS = 3.0
 GRACEFUL_SHUTDOWN_SECONDS = 5
+# Idle keep-alive connections are closed after this long. It must outlast the clients' own idle
+# expiry (httpx, so the OpenAI SDK: 5 s): at uvicorn's 5 s both ends expire together, and a request
+# sent on the connection just as the server closes it fails with a ReadError without reaching the app.
+KEEP_ALIVE_SECONDS = 10
 
 
 def _positive_int(text: str) -> int:
@@ -137,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(settings, engine_config, on_fatal=stop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
     server = DrainingServer(config, app.state.moe.engine)
     log.info("OpenAI API at http://%s:%d/v1, Prometheus metrics at http://%s:%d/metrics", settings.host,
              settings.port, settings.host, settings.port)
