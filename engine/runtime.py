@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -116,6 +116,7 @@ class Runtime:
 
     def describe(self) -> dict:
         cfg = self.config
+        costs = self.runner.cpu_costs if self.runner is not None else None
         return {
             "model": cfg.model, "device": cfg.device, "architecture": self.model_config.architecture,
             "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
@@ -123,6 +124,7 @@ class Runtime:
             "max_model_len": self.max_model_len,
             "cuda_graphs": self.target.graphs is not None,
             "cache_slots": self.runner.cache.capacity if self.runner is not None else 0,
+            "cpu_expert_costs": asdict(costs) if costs is not None else None,
         }
 
     def close(self) -> None:
