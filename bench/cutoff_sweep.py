@@ -81,6 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--deadline-s", type=float, default=540.0)
     parser.add_argument("--min-row-s", type=float, default=20.0)
+    parser.add_argument("--note", action="append", default=[], help="a line for the table's notes (e.g. the commit)")
     return parser.parse_args(argv)
 
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                        f"{len(setup.prompts)} prompts x {args.tokens} tokens",
               "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name()
               if device.type == "cuda" else "cpu", "versions": suite.versions(),
-              "notes": setup.notes + ["cutoff c: target MoE layers 0..c-1 get cross-model prefetch while drafting"],
+              "notes": args.note + setup.notes + ["cutoff c: target MoE layers 0..c-1 get cross-model prefetch while drafting"],
               "bandwidths": bw.as_dict(), "step_bytes": step.as_dict(), "build": setup.build, "rows": [], "ratios": {}}
     rows: list[RowResult] = []
     for cutoff in [None, *range(layers + 1)]:

@@ -200,6 +200,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--deadline-s", type=float, default=540.0, help="wall clock for the whole call")
     parser.add_argument("--min-row-s", type=float, default=30.0, help="skip a row with less time than this left")
     parser.add_argument("--rows", type=lambda s: s.split(","), default=None, help="only rows whose name contains one of these")
+    parser.add_argument("--note", action="append", default=[], help="a line for the table's notes (e.g. the commit)")
     return parser.parse_args(argv)
 
 
@@ -208,12 +209,13 @@ def main(argv: list[str] | None = None) -> None:
     deadline = time.perf_counter() + args.deadline_s
     device, dtype = torch.device(args.device), resolve_dtype(args.dtype, args.device)
     setup = olmoe_setup(args, device, dtype) if args.table == "olmoe-shape" else default_setup(args, args.table)
+    print(f"checkpoint ready after {args.deadline_s - (deadline - time.perf_counter()):.0f} s", flush=True)
     step = step_bytes(setup.target, dtype, context_tokens=args.prompt_len + args.tokens / 2)
     bw = measure_bandwidths(device, h2d_bytes=step.expert_bytes)
     result = {
         "title": f"{setup.title}: bs=1 greedy, {len(setup.prompts)} prompts x {args.tokens} tokens",
         "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name() if device.type == "cuda"
-        else "cpu", "versions": versions(), "notes": setup.notes + [
+        else "cpu", "versions": versions(), "notes": args.note + setup.notes + [
             "floor = max(HBM bytes of one decode step / measured d2d bandwidth, the row's PCIe bytes per token "
             "/ measured pinned h2d bandwidth); TPOT and counters cover the decode after the first token"],
         "bandwidths": bw.as_dict(), "step_bytes": step.as_dict(), "build": setup.build, "rows": [], "ratios": {}}
