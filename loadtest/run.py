@@ -113,6 +113,7 @@ class Result:
     prompt_tokens: int = 0
     output_tokens: int = 0
     retry_after: float = 0.0
+    error: str = ""  # what a connection error said
     problems: list[str] = field(default_factory=list)  # verification failures: a wrong answer
 
 
@@ -215,8 +216,8 @@ async def sdk_request(client: openai.AsyncOpenAI, target: Target, prompt: Prompt
     except openai.APITimeoutError:
         result.status = "timeout"
         return result
-    except openai.APIConnectionError:
-        result.status = "connection"
+    except openai.APIConnectionError as exc:
+        result.status, result.error = "connection", _cause(exc)
         return result
     except openai.APIError as exc:  # the SDK raises an error event inside a 200 stream as a plain APIError
         result.status = f"stream_error:{exc.code}"
@@ -246,8 +247,8 @@ async def raw_request(http: httpx.AsyncClient, target: Target, prompt: Prompt, r
     except httpx.TimeoutException:
         result.status = "timeout"
         return result
-    except httpx.TransportError:
-        result.status = "connection"
+    except httpx.TransportError as exc:
+        result.status, result.error = "connection", _cause(exc)
         return result
     if result.status == "disconnected":
         return result
@@ -299,6 +300,13 @@ def _json_or_none(raw: bytes | str) -> object:
         return json.loads(raw)
     except ValueError:
         return None
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost exception, which names what the transport saw (the SDK wraps httpx's)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _retry_after(headers: Mapping[str, str]) -> float:
@@ -411,6 +419,8 @@ def summarize(results: list[Result], seconds: float, slo_ttft_ms: float | None, 
         "via_counts": dict(Counter(r.via for r in results)),
         "wrong_answers": len(wrong),
         "wrong_examples": [{"prompt": r.prompt, "via": r.via, "problems": r.problems} for r in wrong[:5]],
+        "connection_errors": [{"via": r.via, "error": r.error}
+                              for r in results if r.status == "connection"][:20],
         "input_tokens": input_tokens, "output_tokens": output_tokens,
         "request_throughput": len(ok) / seconds, "output_throughput": output_tokens / seconds,
         "total_token_throughput": (input_tokens + output_tokens) / seconds,

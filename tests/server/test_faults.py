@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from loadtest.run import (
     run_phase,
     wait_engine_idle,
 )
-from server.cli import SHUTDOWN_DRAIN_SECONDS
+from server.cli import KEEP_ALIVE_SECONDS, SHUTDOWN_DRAIN_SECONDS
 from tests.server.conftest import RunningServer, start_server
 
 TIMEOUT_S = 60.0  # per request: a hang fails the test instead of stalling it
@@ -87,6 +88,21 @@ def test_half_the_clients_hang_up_mid_stream(server: RunningServer) -> None:
     # ... and hanging up mid-generation really aborted work in the engine
     aborted = asyncio.run(engine_gauges(t))['moe_requests_total{finish_reason="abort"}']
     assert aborted - before['moe_requests_total{finish_reason="abort"}'] >= 8
+
+
+def test_idle_connections_outlive_the_sdks_pool(server: RunningServer) -> None:
+    """httpx (so the OpenAI SDK) reuses an idle connection for up to 5 s; the server must keep it longer, or a
+    request sent on it just as the server closes it is lost (the first 10-minute soak lost 5 that way)."""
+    client_expiry = httpx.Limits().keepalive_expiry
+    assert KEEP_ALIVE_SECONDS > client_expiry
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock, sock.makefile("rb") as replies:
+        for pause in (0, client_expiry + 1):
+            time.sleep(pause)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert replies.readline().startswith(b"HTTP/1.1 200"), f"closed after {pause} s idle"
+            headers = dict(line.decode().lower().rstrip().split(": ", 1) for line in iter(replies.readline, b"\r\n"))
+            replies.read(int(headers["content-length"]))
 
 
 @pytest.fixture(scope="module")
