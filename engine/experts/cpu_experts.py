@@ -10,8 +10,6 @@ same math; only the order in which a token's expert outputs are summed changes.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,6 +19,7 @@ import torch
 from engine.experts.cache import ExpertSource
 from engine.experts.compute import accumulate_experts
 from engine.experts.routing import LayerRouting
+from engine.timing import median_seconds
 
 CPU_EXPERT_MODES = ("off", "auto")
 
@@ -102,10 +101,10 @@ def profile_costs(store: ExpertSource, device: torch.device, repeats: int = 5) -
     """Measure ExpertCosts on this machine with the store's own rows and the runner's own paths."""
     layout = store.layout
     scratch = torch.empty(layout.numel, dtype=layout.dtype, device=device)
-    copy = _median_seconds(lambda: scratch.copy_(store.row(0, 0), non_blocking=True), device, repeats)
+    copy = median_seconds(lambda: scratch.copy_(store.row(0, 0), non_blocking=True), device, repeats)
     always = CpuExperts(store, ExpertCosts(copy_seconds=float("inf"), cpu_base_seconds=0.0, cpu_per_token_seconds=0.0))
     try:
-        one, many = (_median_seconds(_cpu_round_trip(always, store, tokens, device), device, repeats)
+        one, many = (median_seconds(_cpu_round_trip(always, store, tokens, device), device, repeats)
                      for tokens in (1, 16))
     finally:
         always.close()
@@ -123,20 +122,3 @@ def _cpu_round_trip(cpu: CpuExperts, store: ExpertSource, tokens: int, device: t
         cpu.finish(cpu.start(x, routing, [[0]] * tokens, {0: tokens}), torch.zeros_like(x))
 
     return run
-
-
-def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

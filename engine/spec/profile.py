@@ -5,9 +5,6 @@ timed call so the clock sees the work, not the launch.
 """
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,24 +13,13 @@ from engine.models.config import ModelConfig
 from engine.spec.config import SpecConfig
 from engine.spec.cutoff import CutoffInputs, choose_cutoff
 from engine.spec.loop import Drafter
+from engine.timing import median_seconds
 
 
 @dataclass(frozen=True)
 class SpecProfile:
     t_comp: float  # seconds per drafting layer for one drafted token
     t_load: float  # seconds to copy one expert host -> device
-
-
-def median_seconds(fn: Callable[[], None], device: torch.device, repeats: int = 5) -> float:
-    fn()  # warm-up: allocator, kernels, caches
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def profile_drafting(drafter: Drafter, depth: int, repeats: int = 5) -> float:
@@ -65,8 +51,3 @@ def plan_cutoff(config: SpecConfig, target: ModelConfig, draft_depth: int, exper
         experts_per_layer=(min(experts_per_layer, target.num_experts),) * target.num_moe_layers,
         expert_bytes=expert_bytes, free_bytes=free_bytes, t_comp=profile.t_comp, t_load=profile.t_load,
         draft_depth=draft_depth, gamma=config.gamma))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
