@@ -5,9 +5,9 @@ Three phases, one seed:
   2. target:  a Qwen3MoeForCausalLM upcycled from the draft as it was after --upcycle-at steps
               (attention, norms and embeddings copied, every expert a noisy copy of the draft's
               MLP, router small-random), then trained on with a per-layer load-balancing loss.
-              Upcycling early matters: the corpus is small (8M tokens), and a target upcycled
-              from the fully trained draft only memorised (held-out loss rose from the first
-              evaluation on), so both models now see about the same number of tokens;
+              The corpus is small (7.8M tokens): a target upcycled from the fully trained
+              draft only memorised (held-out loss rose from its first evaluation), so it now
+              starts early; it still generalises worse than the draft (models/default/README.md);
   3. distill: the draft takes the target's shared parts (embeddings, attention, norms) and is
               distilled towards it (logits KL plus cosine distance of every post-attention
               residual), so it agrees with the target's greedy tokens and, through its
