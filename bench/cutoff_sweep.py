@@ -45,20 +45,22 @@ class ChosenCutoff(logging.Handler):
 
 
 def verdict(rows: list[RowResult], num_moe_layers: int, auto_cutoff: int | None) -> dict:
-    """U-shape: the best fixed cutoff lies strictly inside and both ends are >= 5% slower than it."""
+    """U-shape: the best fixed cutoff lies strictly inside the measured range and both ends of that
+    range are >= 5% slower than it."""
     swept = {int(r.name.split("=")[1]): r.tpot_median_s for r in rows
              if r.name != AUTO and r.tpot_median_s == r.tpot_median_s}
     auto = next((r.tpot_median_s for r in rows if r.name == AUTO and r.tpot_median_s == r.tpot_median_s), None)
     if not swept:
         return {}
     best = min(swept, key=swept.get)
-    ends = [swept[c] for c in (0, num_moe_layers) if c in swept]
+    ends = (min(swept), max(swept))  # 0 and num_moe_layers unless a row failed
     return {
         "best_cutoff": best, "best_tpot_s": swept[best], "auto_cutoff": auto_cutoff, "auto_tpot_s": auto,
-        "u_shaped": 0 < best < num_moe_layers and len(ends) == 2 and min(ends) >= 1.05 * swept[best],
+        "u_shaped": ends[0] < best < ends[1] and min(swept[c] for c in ends) >= 1.05 * swept[best],
+        "ends_measured": ends, "complete": ends == (0, num_moe_layers) and len(swept) == num_moe_layers + 1,
         "auto_over_best": auto / swept[best] if auto is not None else None,
         "auto_within_10pct": auto is not None and auto <= 1.10 * swept[best],
-        "end_over_best": {c: swept[c] / swept[best] for c in (0, num_moe_layers) if c in swept},
+        "end_over_best": {c: swept[c] / swept[best] for c in ends},
     }
 
 
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
               "notes": args.note + setup.notes + ["cutoff c: target MoE layers 0..c-1 get cross-model prefetch while drafting"],
               "bandwidths": bw.as_dict(), "step_bytes": step.as_dict(), "build": setup.build, "rows": [], "ratios": {}}
     rows: list[RowResult] = []
+    auto_cutoff = None
     for cutoff in [None, *range(layers + 1)]:
         name = AUTO if cutoff is None else f"cutoff={cutoff}"
         config = replace(base, spec_cutoff=cutoff)
@@ -118,10 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         else:
             guarded(rows, name, lambda: time_engine_decode(name, config, setup.prompts, args.tokens,
                                                            warmup_tokens=args.warmup_tokens, deadline=deadline - 10))
+        if cutoff is None:  # every later engine logs its fixed cutoff too
+            auto_cutoff = chosen.value
         free_device()
         suite.annotate(rows[-1], args.budget, step, bw)
         result["rows"] = [r.as_dict() for r in rows]
-        result["ratios"] = verdict(rows, layers, chosen.value)
+        result["ratios"] = verdict(rows, layers, auto_cutoff)
         write_outputs(Path(args.out), "cutoff_sweep", result)
     print((Path(args.out) / "cutoff_sweep.md").read_text())
 
