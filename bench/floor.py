@@ -11,8 +11,6 @@ Both bandwidths are measured in the same device call as the rows they judge.
 from __future__ import annotations
 
 import re
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from engine.loader import checkpoint_files, read_config
+from engine.timing import median_seconds
 
 ROUTED_EXPERT = re.compile(r"\.experts\.")  # per-expert (experts.N.w1) and fused (experts.gate_up_proj); not shared_expert
 INPUT_EMBEDDING = re.compile(r"embed_tokens\.weight$")
@@ -52,34 +51,17 @@ class StepBytes:
         return asdict(self) | {"total": self.total}
 
 
-def _median_seconds(fn, device: torch.device, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure_bandwidths(device: torch.device, h2d_bytes: int, d2d_bytes: int = 2**30, repeats: int = 10) -> Bandwidths:
     """Median of `repeats` copies each; on CPU both figures are host memcpy (smoke runs only)."""
     src = torch.randn(d2d_bytes // 4, device=device)  # random, not zeros: the data must not help
     dst = torch.empty_like(src)
-    hbm = 2 * d2d_bytes / _median_seconds(lambda: dst.copy_(src), device, repeats)
-    del src, dst
+    hbm = 2 * d2d_bytes / median_seconds(lambda: dst.copy_(src), device, repeats)
+    src = dst = None  # free the 2 GiB before allocating the host buffer
     pin = device.type == "cuda"
     host = torch.randint(0, 255, (h2d_bytes,), dtype=torch.uint8).pin_memory() if pin else \
         torch.randint(0, 255, (h2d_bytes,), dtype=torch.uint8)
     target = torch.empty(h2d_bytes, dtype=torch.uint8, device=device)
-    h2d = h2d_bytes / _median_seconds(lambda: target.copy_(host, non_blocking=pin), device, repeats)
+    h2d = h2d_bytes / median_seconds(lambda: target.copy_(host, non_blocking=pin), device, repeats)
     return Bandwidths(hbm_bytes_per_s=hbm, h2d_bytes_per_s=h2d, h2d_buffer_bytes=h2d_bytes)
 
 
