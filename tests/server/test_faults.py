@@ -152,7 +152,7 @@ def test_engine_killed_under_load(victim: RunningServer, long_prompts: list[Prom
         while len(done) < 4:
             await asyncio.sleep(0.02)
         plain = [asyncio.ensure_future(_non_streamed(t, p)) for p in long_prompts[:2]]  # queued behind the streams
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.3)
         os.kill(old_engine, signal.SIGKILL)
         await _until_health(victim.base_url, 503, health, timeout=10)
         await _until_health(victim.base_url, 200, health, timeout=120)
@@ -172,16 +172,16 @@ def test_engine_killed_under_load(victim: RunningServer, long_prompts: list[Prom
 
 def test_sigterm_drains_then_exits_zero(victim: RunningServer, long_prompts: list[Prompt],
                                         long_refs: list[Answer]) -> None:
-    """SIGTERM with 32 streams in flight (more work than the drain allows): no new connections, each stream
+    """SIGTERM with 48 streams in flight (more work than the drain allows): no new connections, each stream
     ends complete and verified or with an error event and [DONE] by the drain deadline, and the process
     exits 0 with its engine."""
     t = target(victim)
     engine = victim.engine_pids()[-1]
 
     async def scenario() -> tuple[list[Result], float, float]:
-        load = asyncio.ensure_future(run_phase(t, long_prompts, long_refs, 32, Mix(raw_fraction=1.0, seed=3),
-                                               TIMEOUT_S, requests=32))
-        while (await engine_gauges(t)).get("moe_num_requests_waiting", 0) < 16:
+        load = asyncio.ensure_future(run_phase(t, long_prompts, long_refs, 48, Mix(raw_fraction=1.0, seed=3),
+                                               TIMEOUT_S, requests=48))
+        while (await engine_gauges(t)).get("moe_num_requests_waiting", 0) < 32:  # >= 4 s of work at 1.5 ms/token
             await asyncio.sleep(0.05)
         victim.process.send_signal(signal.SIGTERM)
         signalled = time.perf_counter()
