@@ -1,6 +1,7 @@
 """POST /v1/chat/completions and /v1/completions: parse at the edge, plan, serve."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TypeVar
 
@@ -27,7 +28,9 @@ async def chat_completions(request: Request) -> Response:
     body = await _parse(request, ChatCompletionRequest)
     engine = _checked(state, body)
     _check_fits(body.n or 1, state.settings.max_queue, "n")
-    prompts = chat_prompts(body, state.tokenizer)
+    # Templating and tokenising a long prompt take seconds (a 4 MiB one: ~4 s here); on a worker thread
+    # the event loop keeps streaming everyone else's tokens meanwhile (the Rust tokenizer drops the GIL).
+    prompts = await asyncio.to_thread(chat_prompts, body, state.tokenizer)
     fmt = ChatFormat(state.tokenizer.token_text, bool(body.logprobs))
     return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
 
@@ -38,7 +41,7 @@ async def completions(request: Request) -> Response:
     body = await _parse(request, CompletionRequest)
     engine = _checked(state, body)
     _check_fits(len(body.prompts()) * (body.n or 1), state.settings.max_queue, "prompt")
-    prompts = completion_prompts(body, state.tokenizer, engine.vocab_size)
+    prompts = await asyncio.to_thread(completion_prompts, body, state.tokenizer, engine.vocab_size)  # as above
     fmt = CompletionFormat(state.tokenizer.token_text, body.logprobs is not None)
     return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
 

@@ -22,6 +22,9 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         self.eos_token_ids = _eos_token_ids(self.hf, Path(model_dir))
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        # transformers clears a truncation setting from tokenizer.json on the first encode, a write that
+        # would race the decodes of other requests if it first happened on a worker thread.
+        self.encode("")
 
     def chat_prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
         template = None if self.has_chat_template else FALLBACK_CHAT_TEMPLATE
