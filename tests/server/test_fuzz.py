@@ -12,6 +12,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -218,6 +219,20 @@ def test_a_huge_list_of_prompts_is_refused_before_tokenising(server: RunningServ
     resp = http.post("/v1/completions", content=body)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
     assert time.monotonic() - began < 10
+
+
+def test_a_huge_prompt_does_not_stall_other_clients(server: RunningServer, http: httpx.Client) -> None:
+    """Found by this file: a 4 MB prompt was tokenised on the event loop, stalling every stream for ~4 s."""
+    body = json.dumps({"model": server.model, "max_tokens": 1, "prompt": "ab " * 1_390_000}).encode()
+    with ThreadPoolExecutor(1) as pool:
+        huge = pool.submit(http.post, "/v1/completions", content=body)
+        stalls = []
+        while not huge.done():
+            began = time.monotonic()
+            assert http.get("/health").status_code == 200
+            stalls.append(time.monotonic() - began)
+    assert huge.result().json()["error"]["code"] == "context_length_exceeded"
+    assert len(stalls) > 1 and max(stalls) < 1.0, stalls
 
 
 # ---- raw sockets: the HTTP layer itself ----------------------------------------------------------
