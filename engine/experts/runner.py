@@ -81,7 +81,6 @@ class CachedExpertRunner:
         if cpu_experts not in CPU_EXPERT_MODES:
             raise ValueError(f"unknown cpu-experts mode {cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}")
         self.layout = store.layout
-        self.num_layers = store.num_layers
         self.top_k = top_k
         self.prefetch_depth = prefetch_depth
         eviction = make_policy(policy, top_k)
@@ -165,8 +164,7 @@ class CachedExpertRunner:
 
     def count_replayed_token(self, experts_per_layer: int) -> None:
         """Book one token replayed by a CUDA graph: each MoE layer used that many resident experts."""
-        for layer in range(self.num_layers):
-            self.cache.stats.add(layer, hits=experts_per_layer)
+        self.cache.stats.add_every_layer(hits=experts_per_layer)
 
     def finish_step(self) -> None:
         """Call once per engine step, after the step's natural sync (the sampled token was read)."""

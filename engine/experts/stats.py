@@ -65,6 +65,12 @@ class ExpertStats:
         with self._lock:
             self._add(layer, deltas)
 
+    def add_every_layer(self, **deltas: float) -> None:
+        """The same deltas for every layer under one lock (a CUDA-graph replay of a whole token)."""
+        with self._lock:
+            for layer in range(len(self._layers)):
+                self._add(layer, deltas)
+
     def add_wave(self, layer: int, plan: WavePlan, expert_bytes: int) -> None:
         misses = len(plan.misses.placed)
         with self._lock:  # once per layer run: one lock, not one per counter

@@ -54,3 +54,14 @@ def test_graphed_decode_matches_eager_on_gpu(tmp_path):
         outs.append((done.token_ids, stats["expert_hits"]))
         core.close()
     assert outs[0] == outs[1]  # same tokens, and replays are counted like eager steps
+
+
+def test_a_replayed_token_books_its_experts_in_every_layer(tmp_path):
+    runtime = build_runtime(EngineConfig(model=str(build_tiny_checkpoint("olmoe", tmp_path / "m"))))
+    try:
+        before = runtime.runner.stats().column("hits")
+        runtime.runner.count_replayed_token(3)
+        after = runtime.runner.stats().column("hits")
+    finally:
+        runtime.close()
+    assert [a - b for a, b in zip(after, before)] == [3] * runtime.model_config.num_moe_layers
