@@ -36,7 +36,10 @@ def create_app(settings: ServerSettings, engine_config: EngineConfig,
         yield
         await state.engine.close()
 
-    app = FastAPI(title="moe-serve", lifespan=lifespan)
+    # with an API key the interactive docs and schema go too: they would map the API for anyone
+    public_docs = settings.api_key is None
+    app = FastAPI(title="moe-serve", lifespan=lifespan, docs_url="/docs" if public_docs else None,
+                  redoc_url="/redoc" if public_docs else None, openapi_url="/openapi.json" if public_docs else None)
     app.state.moe = state
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     install_error_handlers(app)

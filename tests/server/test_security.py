@@ -73,6 +73,12 @@ def test_every_v1_route_needs_the_key(keyed: RunningServer, tiny_model: Path, he
         assert resp.json()["error"]["code"] == "invalid_api_key" and KEY not in resp.text
 
 
+def test_docs_and_schema_are_not_served_behind_a_key(keyed: RunningServer) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        resp = httpx.get(keyed.base_url + path, timeout=30)
+        assert resp.status_code == 404, (path, resp.status_code)
+
+
 INPUTS = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user",
                                                                                           "content": "hi"}]}}
 
