@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from engine.decode import BoundModel, Decoder
+from engine.experts.prefetch import PrefetchWorker
 from engine.experts.runner import CachedExpertRunner
 from engine.experts.store import ExpertStore
 from engine.graphs import GraphedDecode
@@ -16,6 +17,10 @@ from engine.models.blocks import CausalLM
 from engine.models.config import ModelConfig
 from engine.sampling import make_generator
 from engine.sequence import Sequence
+from engine.spec.config import SpecConfig
+from engine.spec.cross_model import WorkerPrefetch
+from engine.spec.draft_spec import DraftSpecDecoder
+from engine.spec.self_spec import SelfSpecDecoder
 
 MAX_LEN = 64
 CPU = torch.device("cpu")
@@ -62,6 +67,25 @@ def generate(decoder: Decoder, target: BoundModel, prompt: list[int], params: Sa
         assert len(seq.output_ids) > before, "a step must emit at least one token"
         assert target.kv.length == len(seq.all_ids) - 1, "the target KV must hold all tokens but the pending one"
     return seq
+
+
+def generate_with_worker_prefetch(target: CausalLM, draft: CausalLM | None, prompt: list[int],
+                                  params: SamplingParams) -> tuple[Sequence, BoundModel, int]:
+    """Speculative decoding (self-draft when draft is None) whose expert predictions go through a real
+    PrefetchWorker into the target's cache; returns the sequence, the bound target and the bytes prefetched."""
+    cache = target.runner.cache
+    worker = PrefetchWorker(cache, lambda: 0)  # progress 0: no task goes stale in these tests
+    sink = WorkerPrefetch(worker, progress=lambda: 0, lead_runs=0)
+    bound = bind(target)
+    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3), prefetch=sink) if draft is None
+               else DraftSpecDecoder(bound, bind(draft), SpecConfig(gamma=3), prefetch=sink))
+    before = cache.stats.snapshot().total().prefetch_bytes
+    try:
+        seq = generate(decoder, bound, prompt, params)
+        worker.wait_idle()
+    finally:
+        worker.close()
+    return seq, bound, cache.stats.snapshot().total().prefetch_bytes - before
 
 
 def assert_kv_matches_prefill(target: BoundModel, ids: list[int]) -> None:

@@ -7,15 +7,14 @@ from spec_harness import (
     assert_kv_matches_prefill,
     bind,
     generate,
+    generate_with_worker_prefetch,
     load_cached,
     load_dense,
 )
 
 from engine.decode import PlainDecoder
-from engine.experts.prefetch import PrefetchWorker
 from engine.messages import SamplingParams
 from engine.spec.config import SpecConfig
-from engine.spec.cross_model import WorkerPrefetch
 from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.self_spec import SelfSpecDecoder
 from tests.tiny_checkpoints import MOE_FAMILIES
@@ -33,21 +32,10 @@ def test_cuda_speculative_prefetch_keeps_greedy_exact(checkpoint, family: str, m
     target = load_cached(checkpoint(family), CUDA)
     plain = bind(target)
     reference = generate(PlainDecoder(plain), plain, PROMPT, GREEDY).output_ids
-    cache = target.runner.cache
-    worker = PrefetchWorker(cache, lambda: 0)
-    sink = WorkerPrefetch(worker, progress=lambda: 0, lead_runs=0)
-    bound = bind(target)
-    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3), prefetch=sink) if mode == "self"
-               else DraftSpecDecoder(bound, bind(load_dense(checkpoint("llama", seed=3), CUDA)), SpecConfig(gamma=3),
-                                     prefetch=sink))
-    before = cache.stats.snapshot().total().prefetch_bytes
-    try:
-        seq = generate(decoder, bound, PROMPT, GREEDY)
-        worker.wait_idle()
-    finally:
-        worker.close()
+    draft = load_dense(checkpoint("llama", seed=3), CUDA) if mode == "draft" else None
+    seq, bound, prefetched = generate_with_worker_prefetch(target, draft, PROMPT, GREEDY)
     assert seq.output_ids == reference
-    assert cache.stats.snapshot().total().prefetch_bytes > before
+    assert prefetched > 0
     assert_kv_matches_prefill(bound, seq.all_ids[:-1])
 
 

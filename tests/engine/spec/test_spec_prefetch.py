@@ -4,15 +4,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from spec_harness import CPU, bind, generate
+from spec_harness import CPU, bind, generate, generate_with_worker_prefetch
 
 from engine.decode import PlainDecoder
-from engine.experts.prefetch import PrefetchWorker
 from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
 from engine.spec.config import SpecConfig
-from engine.spec.cross_model import WorkerPrefetch
-from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.loop import Drafter
 from engine.spec.profile import (
     SpecProfile,
@@ -34,20 +31,9 @@ def plain_tokens(model: CausalLM, params: SamplingParams) -> list[int]:
 @pytest.mark.parametrize("mode", ["self", "draft"])
 def test_speculative_prefetch_fills_the_cache_without_changing_tokens(target: CausalLM, draft: CausalLM,
                                                                       mode: str) -> None:
-    cache = target.runner.cache
-    worker = PrefetchWorker(cache, lambda: 0)  # progress 0: no task goes stale in this test
-    sink = WorkerPrefetch(worker, progress=lambda: 0, lead_runs=0)
-    bound = bind(target)
-    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3), prefetch=sink) if mode == "self"
-               else DraftSpecDecoder(bound, bind(draft), SpecConfig(gamma=3), prefetch=sink))
-    before = cache.stats.snapshot().total().prefetch_bytes
-    try:
-        seq = generate(decoder, bound, PROMPT, GREEDY)
-        worker.wait_idle()
-    finally:
-        worker.close()
+    seq, _, prefetched = generate_with_worker_prefetch(target, draft if mode == "draft" else None, PROMPT, GREEDY)
     assert seq.output_ids == plain_tokens(target, GREEDY)
-    assert cache.stats.snapshot().total().prefetch_bytes > before
+    assert prefetched > 0
 
 
 def test_profile_measures_and_leaves_the_drafter_as_it_was(draft: CausalLM) -> None:
