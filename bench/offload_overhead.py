@@ -31,8 +31,11 @@ from engine.loader import read_config
 
 
 def _config(args: argparse.Namespace, row: str) -> EngineConfig:
-    prefetch, _, cpu = row.partition("+")
-    extra = {"cpu_experts": "auto"} if cpu else {}  # the older engine has no such field
+    """A row is a prefetch mode plus options: +cpu (--cpu-experts auto), +eager (no CUDA graphs)."""
+    prefetch, *options = row.split("+")
+    extra = {"cpu_experts": "auto"} if "cpu" in options else {}  # the older engine has no such field
+    if "eager" in options:
+        extra["cuda_graphs"] = False
     return EngineConfig(model=args.checkpoint, device=args.device, max_model_len=1024, gpu_expert_budget=args.budget,
                         prefetch=prefetch, **extra)
 
@@ -108,7 +111,7 @@ def main() -> None:
     parser.add_argument("mode", choices=["rows", "profile", "table"])
     parser.add_argument("paths", nargs="*", help="table: result files")
     parser.add_argument("--label", default="ours")
-    parser.add_argument("--rows", default="none", help="comma-separated prefetch modes, +cpu for --cpu-experts auto")
+    parser.add_argument("--rows", default="none", help="comma-separated prefetch modes, +cpu for --cpu-experts auto, +eager for no CUDA graphs")
     parser.add_argument("--checkpoint", default="/tmp/olmoe_shape")
     parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script on a small checkpoint")
     parser.add_argument("--budget", default="3GiB")

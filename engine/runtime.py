@@ -135,15 +135,13 @@ class Runtime:
 
 
 def _graphs(config: EngineConfig, model, kv: KVCache, runner: CachedExpertRunner | None) -> GraphedDecode | None:
-    """CUDA graphs for one-token steps, where nothing in such a step needs the host."""
+    """CUDA graphs for one-token steps: whole when nothing in a step needs the host, piecewise
+    around each MoE layer's cache decision when experts are offloaded."""
     if not (config.cuda_graphs and kv.keys.is_cuda and model.supports_static_forward):
         return None
-    if runner is None:
-        return GraphedDecode(model, kv)
-    if not runner.graph_safe:
+    if runner is not None and not (runner.graph_safe or runner.replayable):
         return None
-    top_k = model.config.top_k
-    return GraphedDecode(model, kv, count_token=lambda top_r: runner.count_replayed_token(top_r or top_k))
+    return GraphedDecode(model, kv, runner)
 
 
 def _with_prefetch_fallback(config: EngineConfig) -> EngineConfig:

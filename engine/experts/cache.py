@@ -241,14 +241,18 @@ class ExpertCache:
         with self._lock:
             self._table.policy.observe_scores(layer, scores)
 
-    def acquire(self, layer: int, experts: Sequence[int]) -> Wave:
-        """Pin the resident experts, start demand copies for as many missing ones as fit."""
+    def acquire(self, layer: int, experts: Sequence[int], *, whole: bool = False) -> Wave:
+        """Pin the resident experts, start demand copies for as many missing ones as fit.
+
+        `whole`: wait for in-flight copies until every expert fits in this one wave (a replayed
+        CUDA graph computes all of a layer's experts at once and cannot run a second wave)."""
         keys = [(layer, e) for e in experts]
         while True:
             with self._lock:
                 self._refresh_in_flight()
-                plan = self._table.plan_wave(keys)
-                if plan.hits or plan.misses.placed or not keys:
+                fits = not whole or self._table.can_hold(keys)
+                plan = self._table.plan_wave(keys) if fits else None
+                if plan is not None and (plan.hits or plan.misses.placed or not keys):
                     work = self._start_copies(plan.misses.placed, demand_layer=layer)
                     self.stats.add_wave(layer, plan, self.layout.nbytes)
                     wave = self._wave(layer, plan.hits, plan.misses.placed, plan.misses.unplaced)

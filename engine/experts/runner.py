@@ -11,7 +11,8 @@ runs in waves: fill, compute, unpin, refill. Neither caching nor the CPU changes
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,6 +58,29 @@ class ReadBack:
     ranked: list[list[int]]  # [d][m] the next-layer guess per predicted layer; empty without one
 
 
+@dataclass(frozen=True)
+class CapturedLayer:
+    """One MoE layer of a piecewise-captured one-token step (see engine/graphs.py).
+
+    The segment ending at this layer leaves its packed read-back in `readback`; the host decides
+    where the layer's experts are and writes their slots into `slot_ids`, which the next segment's
+    expert compute reads. Both tensors keep fixed addresses for every replay."""
+
+    layer: int
+    k: int
+    readback: torch.Tensor  # flat, as _pack makes it
+    slot_ids: torch.Tensor  # [1, k] int64: slot of each of the token's experts, best first
+    guess: Guess | None
+
+
+@dataclass
+class _Held:
+    """A replayed layer's experts, pinned until the next segment (which reads them) is enqueued."""
+
+    wave: Wave
+    prefetches: list[tuple[int, list[int]]]
+
+
 def _chunks(values: list, size: int) -> list[list[int]]:
     return [[int(v) for v in values[i : i + size]] for i in range(0, len(values), size)]
 
@@ -81,6 +105,7 @@ class CachedExpertRunner:
         if cpu_experts not in CPU_EXPERT_MODES:
             raise ValueError(f"unknown cpu-experts mode {cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}")
         self.layout = store.layout
+        self._num_experts = store.num_experts
         self.top_k = top_k
         self.prefetch_depth = prefetch_depth
         eviction = make_policy(policy, top_k)
@@ -95,6 +120,8 @@ class CachedExpertRunner:
         if cpu_experts == "auto" and self.cache.resident_slots is None:  # all resident: nothing is ever missed
             self._cpu = CpuExperts(store, cpu_costs or profile_costs(store, self.cache.device))
         self._runs = 0  # layer runs started, the prefetch worker's clock
+        self._capture: tuple[Callable[[], None], list[CapturedLayer]] | None = None
+        self._held: _Held | None = None
 
     @classmethod
     def from_config(cls, store: ExpertSource, config: EngineConfig, *, top_k: int,
@@ -113,6 +140,8 @@ class CachedExpertRunner:
     def run(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
         if self.prefetch_mode == "next-layer" and self._predictor is None:
             raise RuntimeError("prefetch='next-layer' needs set_router_weights(model.router_weights()) first")
+        if self._capture is not None:  # nothing runs now, so nothing is counted
+            return self._run_captured(x, routing)
         self._runs += 1
         if self.graph_safe and x.shape[0] == 1:
             return self._run_resident(x, routing)
@@ -162,6 +191,62 @@ class CachedExpertRunner:
         slot_ids = self.cache.resident_slots[routing.layer][routing.expert_ids]  # [1, k]
         return gathered_experts(x, routing.expert_weights, self.cache.slots, slot_ids, self.layout)
 
+    @property
+    def replayable(self) -> bool:
+        """One-token steps can be captured piecewise: every host decision is the cache's, made
+        between segments (a per-layer observer or CPU experts need the eager path)."""
+        return self.cache.device.type == "cuda" and self._observer is None and self._cpu is None
+
+    @contextmanager
+    def capturing(self, split: Callable[[], None]) -> Iterator[list[CapturedLayer]]:
+        """While a one-token forward is being captured piecewise: each MoE layer packs its read-back,
+        calls `split` (end this graph, begin the next) and computes its experts from slot ids that
+        replay_layer fills in. Yields the layers in order as they are captured."""
+        layers: list[CapturedLayer] = []
+        self._capture = (split, layers)
+        try:
+            yield layers
+        finally:
+            self._capture = None
+
+    def _run_captured(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
+        split, layers = self._capture
+        guess = self._predictor.guess(routing.layer, x) if self._predictor is not None else None
+        readback = self._pack(routing, guess)
+        slot_ids = torch.empty_like(routing.expert_ids)  # [1, k], written by the host between replays
+        layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], readback, slot_ids, guess))
+        split()
+        return gathered_experts(x, routing.expert_weights, self.cache.slots, slot_ids, self.layout)
+
+    def replay_layer(self, captured: CapturedLayer) -> None:
+        """The host's part of a replayed step between the segment ending at `captured` and the next:
+        the layer's one sync (its routing), its experts made resident in one wave, their slots
+        handed to the next segment. Call right after replaying the segment that ends here."""
+        self._runs += 1
+        self._release_held()  # the previous layer's compute is enqueued: its slots may go
+        layer = captured.layer
+        back = self._unpack(captured.readback.tolist(), layer, 1, captured.k, captured.guess)
+        if self._predictor is not None:
+            self._predictor.record_used(layer, back.experts)
+        wave = self.cache.acquire(layer, back.experts, whole=True)
+        self.cache.wait_pending(wave)
+        slots = torch.tensor([[wave.slots[e] for e in back.ids[0]]], pin_memory=True)
+        captured.slot_ids.copy_(slots, non_blocking=True)
+        prefetches = self._predictor.remember(captured.guess, back.ranked) if captured.guess is not None else []
+        self._held = _Held(wave, prefetches)
+
+    def finish_replay(self) -> None:
+        """After the step's last segment is enqueued: release the last layer's experts."""
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is None:
+            return
+        self.cache.release(held.wave)
+        for target, experts in held.prefetches:
+            self.cache.prefetch(target, experts)
+
     def count_replayed_token(self, experts_per_layer: int) -> None:
         """Book one token replayed by a CUDA graph: each MoE layer used that many resident experts."""
         self.cache.stats.add_every_layer(hits=experts_per_layer)
@@ -193,18 +278,25 @@ class CachedExpertRunner:
     def _read_back(self, routing: LayerRouting, guess: Guess | None) -> ReadBack:
         """The layer's one host sync: its routing, MRS scores and the next-layer guess in one transfer."""
         t, k = routing.expert_ids.shape
+        return self._unpack(self._pack(routing, guess).tolist(), routing.layer, t, k, guess)
+
+    def _pack(self, routing: LayerRouting, guess: Guess | None) -> torch.Tensor:
+        """What the host reads after a layer's routing, as one flat device tensor."""
         parts = [routing.expert_ids.reshape(-1)]  # [T*k]
         if self._mrs_top_p is not None:
             parts.append(layer_scores(routing.router_probs, self._mrs_top_p))  # [E]
         if guess is not None:
             parts.append(guess.ranked.reshape(-1))  # [d*m]
+        if len(parts) == 1:
+            return parts[0]
         dtype = torch.float32 if self._mrs_top_p is not None else torch.long  # ids < 2**24: exact as floats
-        flat = (torch.cat([p.to(dtype) for p in parts]) if len(parts) > 1 else parts[0]).tolist()
+        return torch.cat([p.to(dtype) for p in parts])
+
+    def _unpack(self, flat: list, layer: int, t: int, k: int, guess: Guess | None) -> ReadBack:
         ids, rest = _chunks(flat[: t * k], k), flat[t * k :]
         if self._mrs_top_p is not None:
-            num_experts = routing.router_probs.shape[-1]
-            self.cache.observe_scores(routing.layer, rest[:num_experts])
-            rest = rest[num_experts:]
+            self.cache.observe_scores(layer, rest[: self._num_experts])
+            rest = rest[self._num_experts :]
         ranked = _chunks(rest, guess.ranked.shape[1]) if guess is not None else []
         return ReadBack(ids, sorted({e for row in ids for e in row}), ranked)
 

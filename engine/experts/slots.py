@@ -110,6 +110,12 @@ class SlotTable:
     def evictable(self) -> set[Key]:
         return self._evictable
 
+    def can_hold(self, keys: Sequence[Key]) -> bool:
+        """Whether plan_wave(keys) would place every missing key (no leftover) right now."""
+        wanted = set(keys)
+        missing = sum(key not in self._slot for key in wanted)
+        return missing <= len(self._free) + len(self._evictable - wanted)
+
     def place(self, keys: Sequence[Key], *, pin: bool, prefetched: bool) -> Placement:
         """Give each non-resident key a slot, in order, evicting through the policy as needed."""
         for key in keys:

@@ -65,3 +65,32 @@ def test_a_replayed_token_books_its_experts_in_every_layer(tmp_path):
     finally:
         runtime.close()
     assert [a - b for a, b in zip(after, before)] == [3] * runtime.model_config.num_moe_layers
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("family,policy,prefetch", [
+    ("olmoe", "lru", "none"), ("qwen2_moe", "mrs", "none"), ("mixtral", "lfu", "none"),
+    ("olmoe", "lru", "next-layer"), ("qwen3_moe", "mrs", "next-layer"),
+])
+def test_piecewise_graphs_of_an_offloaded_step_match_eager(tmp_path, family, policy, prefetch):
+    from engine.core import EngineCore, run_to_completion
+    from engine.messages import GenerateRequest, SamplingParams
+
+    path = str(build_tiny_checkpoint(family, tmp_path / "m"))
+    runs = []
+    for graphs in (False, True):
+        core = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", cuda_graphs=graphs,
+                                       gpu_expert_budget="30%", cache_policy=policy, prefetch=prefetch))
+        assert (core.runtime.target.graphs is not None) == graphs
+        assert not graphs or core.runtime.target.graphs.piecewise
+        params = SamplingParams(max_tokens=120, temperature=0)
+        done = run_to_completion(core, GenerateRequest("g", tuple(PROMPT), params))
+        stats = core.runtime.generation_stats(ttft_seconds=None, tpot_seconds=None)
+        runs.append((done.token_ids, stats))
+        core.close()
+    (eager, eager_stats), (graphed, graphed_stats) = runs
+    assert graphed == eager
+    assert graphed_stats["expert_misses"] > 0
+    if prefetch == "none":  # the same cache decisions in the same order; prefetch timing may differ
+        assert (graphed_stats["expert_hits"], graphed_stats["expert_misses"]) == \
+            (eager_stats["expert_hits"], eager_stats["expert_misses"])

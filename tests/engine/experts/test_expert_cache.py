@@ -1,6 +1,8 @@
 """ExpertCache: capacity from a budget, the too-small-budget error, slots hold the store's rows."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -59,3 +61,26 @@ def test_wave_when_more_experts_than_slots(store) -> None:
     second = cache.acquire(0, first.leftover)
     assert list(second.pending) == [2, 3] and second.leftover == [4]
     cache.release(second)
+
+
+def test_whole_acquire_waits_for_in_flight_copies_instead_of_splitting(store) -> None:
+    """A replayed graph computes all of a layer's experts at once: no second wave may be left."""
+    landed = threading.Event()
+
+    def slow_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        landed.wait(timeout=10)
+        dst.copy_(src)
+
+    cache = ExpertCache(store, store.layout.nbytes * 2, LRUPolicy(), "cpu", top_k=2, copy_fn=slow_copy)
+    prefetcher = threading.Thread(target=cache.prefetch, args=(1, [0]))  # holds one slot while in flight
+    prefetcher.start()
+    while cache.resident_experts == 0:
+        threading.Event().wait(0.001)
+    timer = threading.Timer(0.2, landed.set)
+    timer.start()
+    wave = cache.acquire(0, [3, 4], whole=True)
+    prefetcher.join()
+    assert wave.leftover == [] and sorted(wave.slots) == [3, 4]
+    cache.wait_pending(wave)
+    assert all(torch.equal(r, store.row(0, e)) for e, r in wave.rows(landed=False).items())
+    cache.release(wave)

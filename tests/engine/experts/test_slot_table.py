@@ -38,6 +38,17 @@ def test_never_evicts_pinned_or_in_flight() -> None:
     assert (0, 0) in table and (0, 2) in table
 
 
+def test_can_hold_counts_free_and_evictable_slots_but_not_the_wave_itself() -> None:
+    table = SlotTable(3, LRUPolicy())
+    _resident(table, (0, 1), (0, 2))
+    assert table.can_hold([(0, 1), (0, 5), (0, 6)])  # one free slot + (0, 2) evictable
+    table.place([(1, 0)], pin=False, prefetched=True)  # the free slot, still in flight
+    assert not table.can_hold([(0, 1), (0, 5), (0, 6)])  # (0, 1) is wanted, (1, 0) is being filled
+    assert table.can_hold([(0, 1), (0, 5)])
+    table.complete((1, 0))
+    assert table.can_hold([(0, 1), (0, 5), (0, 6)])
+
+
 def test_full_of_pinned_places_nothing() -> None:
     table = SlotTable(2, LRUPolicy())
     table.place([(0, 0), (0, 1)], pin=True, prefetched=False)
