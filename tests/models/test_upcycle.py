@@ -68,3 +68,18 @@ def test_balance_loss_is_one_when_balanced_and_grows_on_collapse():
     collapsed[:, :2] = 20.0  # every token on experts 0 and 1
     assert tdm.balance_loss((uniform, uniform), top_k=2).item() == pytest.approx(1.0)
     assert tdm.balance_loss((collapsed,), top_k=2).item() == pytest.approx(experts / 2, rel=1e-3)
+
+
+def test_expert_dropout_acts_only_in_training_and_unwraps_cleanly():
+    _, target = tiny_pair(noise=0.01)
+    ids = torch.randint(0, tdm.SMOKE_SHAPE.vocab_size, (2, 16))
+    keys = set(target.state_dict())
+    with torch.no_grad():
+        reference = target(ids).logits
+        tdm.set_expert_dropout(target, 0.5)
+        assert set(target.state_dict()) == keys  # nothing new is saved
+        torch.testing.assert_close(target.eval()(ids).logits, reference, rtol=0, atol=0)
+        assert not torch.allclose(target.train()(ids).logits, reference)  # the experts call act_fn
+        tdm.set_expert_dropout(target, 0.0)
+        assert not any(isinstance(m, tdm.ExpertDropout) for m in target.modules())
+        torch.testing.assert_close(target.train()(ids).logits, reference, rtol=0, atol=0)
