@@ -7,6 +7,11 @@ Greedy-decodes held-out stdlib prompts through the engine with a RoutingRecorder
 runner (engine/trace.py), then replays the trace through the cache's own SlotTable and policies
 (engine/replay.py): LRU, LFU and MRS, with and without the next-layer predictor, at 2, 4 and 6
 expert slots per MoE layer. Writes routing_replay.json and routing_replay.md.
+
+A second table asks what speculative decoding can save in expert copies at all: the decode
+steps merged n at a time into one layer run (a verify pass of n tokens, all n - 1 drafts
+accepted: its best case), replayed under LRU. Expert loads per generated token below plain
+decoding's (n = 1) are the only way a verify pass saves PCIe bytes.
 """
 from __future__ import annotations
 
@@ -68,6 +73,19 @@ def as_row(r: Result, num_layers: int) -> dict:
             "predictor_accuracy": t.predictor_accuracy if r.predictor != "none" else None}
 
 
+def verify_rows(trace_path: Path, max_tokens: int, slots_per_layer: list[int]) -> list[dict]:
+    """Per verify-pass size n, cache size and policy: distinct experts per layer run, loads per token."""
+    rows = []
+    for n in range(1, max_tokens + 1):
+        trace = load_trace(trace_path, verify_tokens=n)
+        for result in replay(trace, [s * trace.num_layers for s in slots_per_layer], POLICY_NAMES, ["none"]):
+            rows.append({"tokens_per_pass": n, "slots_per_layer": result.capacity // trace.num_layers,
+                         "policy": result.policy,
+                         "experts_per_layer_run": sum(len(r.experts) for r in trace.runs) / len(trace.runs),
+                         "loads_per_token": result.total.misses / trace.tokens, "hit_rate": result.total.hit_rate})
+    return rows
+
+
 def markdown(result: dict) -> str:
     lines = [f"# {result['title']}", "", f"Command: `{result['command']}`", ""]
     lines += [f"- {note}" for note in result["notes"]] + [""]
@@ -77,6 +95,17 @@ def markdown(result: dict) -> str:
         acc = "–" if r["predictor_accuracy"] is None else f"{r['predictor_accuracy']:.1%}"
         lines.append(f"| {r['slots_per_layer']} | {r['policy']} | {r['predictor']} | {r['hit_rate']:.1%} | {r['misses']} "
                      f"| {r['prefetched']} | {r['prefetch_used']} | {r['prefetch_wasted']} | {acc} |")
+    lines += ["", "## Verify passes: expert loads per generated token (decode steps only, no prefetch)", "",
+              "n tokens per verify pass = n - 1 accepted drafts + the bonus token (n = 1: plain decoding); "
+              "'vs plain LRU' < 1 is the only room speculative decoding has to save PCIe bytes.", "",
+              "| tokens per pass | slots/layer | policy | experts per layer run | hit rate | loads per token "
+              "| vs plain LRU |", "|---|---|---|---|---|---|---|"]
+    plain = {r["slots_per_layer"]: r["loads_per_token"] for r in result["verify_rows"]
+             if r["tokens_per_pass"] == 1 and r["policy"] == "lru"}
+    for r in sorted(result["verify_rows"], key=lambda r: (r["slots_per_layer"], r["tokens_per_pass"], r["policy"])):
+        lines.append(f"| {r['tokens_per_pass']} | {r['slots_per_layer']} | {r['policy']} "
+                     f"| {r['experts_per_layer_run']:.2f} | {r['hit_rate']:.1%} | {r['loads_per_token']:.3f} "
+                     f"| {r['loads_per_token'] / plain[r['slots_per_layer']]:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -89,8 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--slots-per-layer", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 6])
+    parser.add_argument("--verify-tokens", type=int, default=5, help="largest verify pass of the second table")
+    parser.add_argument("--no-record", action="store_true", help="replay an existing --trace")
     args = parser.parse_args(argv)
-    record(args.model, heldout_prompts(args.model, args.prompts, args.prompt_len), args.tokens, Path(args.trace))
+    if not args.no_record:
+        record(args.model, heldout_prompts(args.model, args.prompts, args.prompt_len), args.tokens, Path(args.trace))
     trace = load_trace(args.trace)
     results = replay(trace, [s * trace.num_layers for s in args.slots_per_layer], POLICY_NAMES, PREDICTORS)
     config = read_config(args.model)
@@ -103,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                   "between prompts".format(args.prompt_len),
                   "replay counts prefills too; a prefetch lands at once (engine/replay.py), so predictor rows are an "
                   "upper bound for the live prefetcher"],
-        "rows": [as_row(r, trace.num_layers) for r in results]}
+        "rows": [as_row(r, trace.num_layers) for r in results],
+        "verify_rows": verify_rows(Path(args.trace), args.verify_tokens, args.slots_per_layer)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "routing_replay.json").write_text(json.dumps(result, indent=1))

@@ -14,6 +14,7 @@ import argparse
 import heapq
 import json
 import sys
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import groupby
@@ -40,6 +41,7 @@ class Trace:
     num_layers: int
     num_experts: int
     top_p: int  # 2 * top_k: MRS's p and the predictor's per-layer prefetch limit
+    tokens: int  # token positions the runs cover
 
 
 @dataclass(frozen=True)
@@ -50,15 +52,41 @@ class Result:
     total: LayerStats
 
 
-def load_trace(path: str | Path) -> Trace:
+def load_trace(path: str | Path, verify_tokens: int | None = None) -> Trace:
+    """The trace's layer runs. With verify_tokens n, only the one-token (decode) steps, every n
+    consecutive ones merged into one run per layer: what a verify pass over n tokens needs when all
+    n - 1 drafts were accepted, the best case of speculative decoding (n = 1: plain decoding)."""
     with open(path, encoding="utf-8") as f:
         lines = [json.loads(line) for line in f if line.strip()]
     if not lines:
         raise ValueError(f"{path}: empty routing trace")
+    if verify_tokens is not None:
+        lines = _verify_windows(lines, verify_tokens)
     top_p = len(lines[0]["top_experts"])
     runs = [_layer_run(list(group), top_p) for _, group in groupby(lines, key=lambda d: (d["step"], d["layer"]))]
     num_experts = 1 + max(max(d["top_experts"] + d["experts"] + d.get("next_experts", [])) for d in lines)
-    return Trace(runs=runs, num_layers=1 + max(r.layer for r in runs), num_experts=num_experts, top_p=top_p)
+    first_layer = min(d["layer"] for d in lines)
+    return Trace(runs=runs, num_layers=1 + max(r.layer for r in runs), num_experts=num_experts, top_p=top_p,
+                 tokens=sum(d["layer"] == first_layer for d in lines))
+
+
+def _verify_windows(lines: list[dict], n: int) -> list[dict]:
+    """Decode steps renumbered so that each n consecutive ones share a step; prefills dropped (and
+    they end a window: a new prompt starts)."""
+    first_layer = min(d["layer"] for d in lines)
+    tokens = Counter(d["step"] for d in lines if d["layer"] == first_layer)
+    window_of: dict[int, int] = {}
+    window, in_window = -1, n
+    for step in sorted(tokens):
+        if tokens[step] != 1:
+            in_window = n
+            continue
+        if in_window == n:
+            window, in_window = window + 1, 0
+        window_of[step] = window
+        in_window += 1
+    kept = [dict(d, step=window_of[d["step"]]) for d in lines if d["step"] in window_of]
+    return sorted(kept, key=lambda d: (d["step"], d["layer"]))  # stable: token order kept within a run
 
 
 def _layer_run(tokens: list[dict], top_p: int) -> LayerRun:

@@ -41,6 +41,22 @@ def test_lru_hit_rates_match_a_hand_computation(tmp_path: Path, capsys: pytest.C
     assert results[0]["demand_experts"] == 5
 
 
+def test_verify_windows_merge_decode_steps_and_drop_prefills(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    prefill = [json.dumps({**json.loads(_line(0, layer, [7])), "pos": pos}) for pos in range(3) for layer in (0, 1)]
+    decode = [_line(step, layer, [step + layer]) for step in range(1, 6) for layer in (0, 1)]
+    second_prefill = [json.dumps({**json.loads(_line(6, 0, [7])), "pos": pos}) for pos in range(2)]
+    trace.write_text("\n".join(prefill + decode + second_prefill + [_line(7, 0, [3])]) + "\n")
+    windows = load_trace(trace, verify_tokens=2)
+    # decode steps 1..5 -> windows {1,2} {3,4} {5}; step 7 starts a new window after the prefill
+    assert [(r.layer, r.experts) for r in windows.runs] == [
+        (0, [1, 2]), (1, [2, 3]), (0, [3, 4]), (1, [4, 5]), (0, [5]), (1, [6]), (0, [3])]
+    assert windows.tokens == 6
+    plain = load_trace(trace, verify_tokens=1)
+    assert len(plain.runs) == 11 and plain.tokens == 6
+    assert load_trace(trace).tokens == 11  # everything, prefills included
+
+
 def test_simulated_predictor_prefetches_its_guess(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     layer1 = [3, 4, 5, 6]
