@@ -17,6 +17,21 @@ class LayerRouting:
     expert_ids: torch.Tensor  # [T, k] int64, chosen experts per token
     expert_weights: torch.Tensor  # [T, k] combine weights, already normalised as the family says
     router_probs: torch.Tensor  # [T, E] softmax over all experts (scores for MRS, traces, predictors)
+    # SS-MoE self-draft (expert_ids are each token's best r of its top-k): the full top-k [T, K],
+    # best first. A runner may run other r of these instead, the resident ones first, weighted
+    # by `reweighted`: a draft only has to be cheap, the verify pass decides what is kept.
+    candidates: torch.Tensor | None = None
+    normalize: bool = False  # the family renormalises the chosen experts' probabilities
+
+    def reweighted(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Combine weights [T, r] for other chosen experts [T, r] (device), as the family weighs them."""
+        weights = self.router_probs.gather(1, expert_ids)  # [T, r] fp32
+        return weights / weights.sum(dim=-1, keepdim=True) if self.normalize else weights
+
+
+def resident_first(candidates: list[int], r: int, missing: set[int]) -> list[int]:
+    """The r experts a draft runs out of a token's ranked candidates: resident ones first, by rank."""
+    return sorted(candidates, key=lambda e: e in missing)[:r]  # stable: rank order within each group
 
 
 class ExpertRunner(Protocol):

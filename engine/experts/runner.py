@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -31,7 +31,7 @@ from engine.experts.cpu_experts import (
 from engine.experts.policies import MRSPolicy, make_policy
 from engine.experts.predictor import Guess, NextLayerPredictor, token_topk
 from engine.experts.prefetch import PrefetchWorker
-from engine.experts.routing import LayerRouting
+from engine.experts.routing import LayerRouting, resident_first
 from engine.experts.stats import StatsSnapshot
 
 PREFETCH_MODES = ("none", "next-layer")
@@ -56,6 +56,7 @@ class ReadBack:
     ids: list[list[int]]  # [T][k] each token's experts
     experts: list[int]  # the distinct ones, ascending
     ranked: list[list[int]]  # [d][m] the next-layer guess per predicted layer; empty without one
+    candidates: list[list[int]]  # [T][K] a self-draft's full top-k (LayerRouting.candidates); else empty
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,14 @@ class CapturedLayer:
     """One MoE layer of a piecewise-captured one-token step (see engine/graphs.py).
 
     The segment ending at this layer leaves its packed read-back in `readback`; the host decides
-    where the layer's experts are and writes their slots into `slot_ids`, which the next segment's
-    expert compute reads. Both tensors keep fixed addresses for every replay."""
+    where the layer's experts are and writes their slots (and, for a self-draft, which experts)
+    into `index`, which the next segment's expert compute reads. Both keep fixed addresses."""
 
     layer: int
-    k: int
+    k: int  # experts the token runs
+    num_candidates: int  # a self-draft's top-k it picks them from (0: not a draft)
     readback: torch.Tensor  # flat, as _pack makes it
-    slot_ids: torch.Tensor  # [1, k] int64: slot of each of the token's experts, best first
+    index: torch.Tensor  # [2, 1, k] int64: the slot of each expert the token runs, then its expert id
     guess: Guess | None
 
 
@@ -147,7 +149,11 @@ class CachedExpertRunner:
             return self._run_resident(x, routing)
         layer = routing.layer
         guess = self._predictor.guess(layer, x) if self._predictor is not None else None
-        back = self._read_back(routing, guess)
+        read = self._read_back(routing, guess)
+        back = self._draft_choice(layer, read)
+        if back.ids != read.ids:
+            ids = _to_device(back.ids, x.device)  # [T, r]
+            routing = replace(routing, expert_ids=ids, expert_weights=routing.reweighted(ids))
         if self._predictor is not None:
             self._predictor.record_used(layer, back.experts)
         if self._observer is not None:
@@ -213,10 +219,12 @@ class CachedExpertRunner:
         split, layers = self._capture
         guess = self._predictor.guess(routing.layer, x) if self._predictor is not None else None
         readback = self._pack(routing, guess)
-        slot_ids = torch.empty_like(routing.expert_ids)  # [1, k], written by the host between replays
-        layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], readback, slot_ids, guess))
+        index = torch.empty((2, *routing.expert_ids.shape), dtype=torch.long, device=x.device)  # host-written
+        num_candidates = 0 if routing.candidates is None else routing.candidates.shape[1]
+        layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index, guess))
         split()
-        return gathered_experts(x, routing.expert_weights, self.cache.slots, slot_ids, self.layout)
+        weights = routing.expert_weights if routing.candidates is None else routing.reweighted(index[1])
+        return gathered_experts(x, weights, self.cache.slots, index[0], self.layout)
 
     def replay_layer(self, captured: CapturedLayer) -> None:
         """The host's part of a replayed step between the segment ending at `captured` and the next:
@@ -225,13 +233,14 @@ class CachedExpertRunner:
         self._runs += 1
         self._release_held()  # the previous layer's compute is enqueued: its slots may go
         layer = captured.layer
-        back = self._unpack(captured.readback.tolist(), layer, 1, captured.k, captured.guess)
+        back = self._unpack(captured.readback.tolist(), layer, 1, captured.k, captured.num_candidates, captured.guess)
+        back = self._draft_choice(layer, back)
         if self._predictor is not None:
             self._predictor.record_used(layer, back.experts)
         wave = self.cache.acquire(layer, back.experts, whole=True)
         self.cache.wait_pending(wave)
-        slots = torch.tensor([[wave.slots[e] for e in back.ids[0]]], pin_memory=True)
-        captured.slot_ids.copy_(slots, non_blocking=True)
+        index = torch.tensor([[[wave.slots[e] for e in back.ids[0]]], back.ids], pin_memory=True)  # [2, 1, k]
+        captured.index.copy_(index, non_blocking=True)
         prefetches = self._predictor.remember(captured.guess, back.ranked) if captured.guess is not None else []
         self._held = _Held(wave, prefetches)
 
@@ -278,11 +287,14 @@ class CachedExpertRunner:
     def _read_back(self, routing: LayerRouting, guess: Guess | None) -> ReadBack:
         """The layer's one host sync: its routing, MRS scores and the next-layer guess in one transfer."""
         t, k = routing.expert_ids.shape
-        return self._unpack(self._pack(routing, guess).tolist(), routing.layer, t, k, guess)
+        num_candidates = 0 if routing.candidates is None else routing.candidates.shape[1]
+        return self._unpack(self._pack(routing, guess).tolist(), routing.layer, t, k, num_candidates, guess)
 
     def _pack(self, routing: LayerRouting, guess: Guess | None) -> torch.Tensor:
         """What the host reads after a layer's routing, as one flat device tensor."""
         parts = [routing.expert_ids.reshape(-1)]  # [T*k]
+        if routing.candidates is not None:
+            parts.append(routing.candidates.reshape(-1))  # [T*K]
         if self._mrs_top_p is not None:
             parts.append(layer_scores(routing.router_probs, self._mrs_top_p))  # [E]
         if guess is not None:
@@ -292,13 +304,24 @@ class CachedExpertRunner:
         dtype = torch.float32 if self._mrs_top_p is not None else torch.long  # ids < 2**24: exact as floats
         return torch.cat([p.to(dtype) for p in parts])
 
-    def _unpack(self, flat: list, layer: int, t: int, k: int, guess: Guess | None) -> ReadBack:
+    def _unpack(self, flat: list, layer: int, t: int, k: int, num_candidates: int, guess: Guess | None) -> ReadBack:
         ids, rest = _chunks(flat[: t * k], k), flat[t * k :]
+        candidates, rest = _chunks(rest[: t * num_candidates], num_candidates or 1), rest[t * num_candidates :]
         if self._mrs_top_p is not None:
             self.cache.observe_scores(layer, rest[: self._num_experts])
             rest = rest[self._num_experts :]
         ranked = _chunks(rest, guess.ranked.shape[1]) if guess is not None else []
-        return ReadBack(ids, sorted({e for row in ids for e in row}), ranked)
+        return ReadBack(ids, sorted({e for row in ids for e in row}), ranked, candidates)
+
+    def _draft_choice(self, layer: int, back: ReadBack) -> ReadBack:
+        """A self-draft runs r experts per token: resident ones among its top-k first (SS-MoE), so
+        drafting copies an expert only when none of a token's top-k is on the device."""
+        if not back.candidates:
+            return back
+        r = len(back.ids[0])
+        missing = set(self.cache.missing(layer, sorted({e for row in back.candidates for e in row})))
+        chosen = [resident_first(row, r, missing) for row in back.candidates]
+        return ReadBack(chosen, sorted({e for row in chosen for e in row}), back.ranked, back.candidates)
 
     def _next_guess(self, layer: int, x: torch.Tensor, guess: Guess | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         if guess is not None:

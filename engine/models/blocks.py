@@ -133,10 +133,12 @@ class MoEBlock(nn.Module):
             self.shared_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
 
     def routing(self, x: torch.Tensor, top_r: int | None) -> LayerRouting:
-        """Route x [T, H]; with top_r, keep only each token's r best experts (SS-MoE self-draft)."""
+        """Route x [T, H]; with top_r, keep only each token's r best experts (SS-MoE self-draft),
+        offering the runner the whole top-k to pick resident ones from."""
         k = self.top_k if top_r is None else min(top_r, self.top_k)
         ids, weights, probs = route(self.router(x), k, self.normalize)
-        return LayerRouting(self.moe_layer, ids, weights, probs)
+        candidates = probs.topk(self.top_k, dim=-1).indices if k < self.top_k else None  # [T, K]
+        return LayerRouting(self.moe_layer, ids, weights, probs, candidates, self.normalize)
 
     def forward(self, x: torch.Tensor, runner: ExpertRunner, top_r: int | None) -> torch.Tensor:
         out = runner.run(x, self.routing(x, top_r))  # [T, H]

@@ -8,8 +8,8 @@ once, so the copies overlap the rest of drafting. The worker drops experts that 
 resident or in flight (Algorithm 1's cached-queue check, done where the cache lock is held).
 
 The same predictor serves self-speculation: there the drafting model is the target itself running
-its top-r experts, the layer map is the identity, and the first r of the top-k (the experts the
-draft just ran, hence resident) are skipped, which leaves exactly SS-MoE's k - r incremental loads.
+r of its top-k experts and the layer map is the identity; the worker drops the experts the draft
+just ran (resident), which leaves SS-MoE's incremental loads of the others.
 """
 from __future__ import annotations
 
@@ -70,12 +70,9 @@ class WorkerPrefetch:
 
 class CrossModelPredictor:
     def __init__(self, route: RouteFn, draft_to_target: tuple[tuple[int, ...], ...],
-                 target_moe_layers: tuple[int, ...], sink: PrefetchSink, skip_first: int = 0) -> None:
-        """draft_to_target[d]: target MoE layers predicted at drafting layer d (layer_map.layer_map).
-
-        skip_first: leading experts of each top-k not to prefetch (the self-draft's own top-r).
-        """
-        self.route, self.draft_to_target, self.sink, self.skip_first = route, draft_to_target, sink, skip_first
+                 target_moe_layers: tuple[int, ...], sink: PrefetchSink) -> None:
+        """draft_to_target[d]: target MoE layers predicted at drafting layer d (layer_map.layer_map)."""
+        self.route, self.draft_to_target, self.sink = route, draft_to_target, sink
         self.moe_index = {layer: i for i, layer in enumerate(target_moe_layers)}
         self.predicted: dict[int, list[torch.Tensor]] = defaultdict(list)  # MoE layer -> [k] ids per drafted token
         self.needed: dict[int, list[torch.Tensor]] = defaultdict(list)  # MoE layer -> [T, k] ids of the verify pass
@@ -85,8 +82,7 @@ class CrossModelPredictor:
         for moe_layer in self.draft_to_target[layer]:
             experts = self.route(moe_layer, h[-1:])[0]  # [k]
             self.predicted[moe_layer].append(experts)
-            if experts.shape[0] > self.skip_first:
-                self.sink.submit(moe_layer, experts[self.skip_first :])
+            self.sink.submit(moe_layer, experts)
 
     def on_verify_attention(self, layer: int, h: torch.Tensor) -> None:
         """Target layer `layer` in the verify pass, h [T, H]: record what it needs, for the accuracy counters."""

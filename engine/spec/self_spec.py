@@ -2,9 +2,11 @@
 
 Drafting writes the target's own KV cache at the drafted positions with top-r activations; the
 loop truncates them away before the verify pass recomputes those positions with the full top-k,
-so the cache after a step equals a fresh prefill of the accepted text. While drafting, the
-draft's router scores of each layer name the k - r experts the verify pass will add; they are
-queued for the prefetch worker at once (incremental loading).
+so the cache after a step equals a fresh prefill of the accepted text. Each drafted token runs
+r of its top-k experts, resident ones first (the runner picks them: a draft only has to be
+cheap, the verify pass decides what is kept). While drafting, the draft's router scores of each
+layer name the top-k the verify pass will need; the ones not resident (the k - r extra, plus any
+top-r expert the draft swapped for a resident one) are queued for the prefetch worker at once.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class SelfSpecDecoder(SpecDecoder):
             depth = model_config.num_layers  # the draft is the target: the map is the identity
             predictor = CrossModelPredictor(
                 target_router(target.model), layer_map(depth, depth, model_config.moe_layers, cutoff),
-                model_config.moe_layers, prefetch, skip_first=config.top_r)
+                model_config.moe_layers, prefetch)
         hook = None if predictor is None else predictor.on_draft_attention
         drafter = Drafter(target, moe_top_r=config.top_r, on_attention_output=hook)
         super().__init__(target, drafter, config, predictor, stats)

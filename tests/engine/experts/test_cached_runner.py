@@ -8,6 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.experts.cache import copy_row
+from engine.experts.routing import LayerRouting
 from engine.experts.runner import CachedExpertRunner, layer_scores
 
 TOP_K = 2
@@ -129,3 +130,29 @@ def test_layer_scores_keep_each_tokens_top_p() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4]])
     expected = torch.tensor([0.5 + 0.0, 0.3 + 0.0, 0.0 + 0.3, 0.0 + 0.4]) / 2
     torch.testing.assert_close(layer_scores(probs, top_p=2), expected)
+
+
+def _draft_routing(layer: int, probs: torch.Tensor, r: int) -> LayerRouting:
+    """A self-draft's routing as MoEBlock makes it: the best r, and the whole top-k as candidates."""
+    top = probs.topk(TOP_K, dim=-1)
+    weights = top.values[:, :r] / top.values[:, :r].sum(-1, keepdim=True)
+    return LayerRouting(layer, top.indices[:, :r], weights, probs, top.indices, normalize=True)
+
+
+def test_a_self_draft_runs_resident_experts_of_its_top_k_first(store, reference) -> None:
+    runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
+    probs = torch.zeros(2, store.num_experts, dtype=torch.float64)
+    probs[0, [3, 5]] = torch.tensor([0.6, 0.4], dtype=torch.float64)  # token 0: 3 best, only 5 resident
+    probs[1, [1, 6]] = torch.tensor([0.7, 0.3], dtype=torch.float64)  # token 1: 1 best and resident
+    try:
+        runner.run(x, LayerRouting(0, torch.tensor([[5], [1]]), torch.ones(2, 1, dtype=torch.float64), probs))
+        before = runner.stats().total()
+        out = runner.run(x, _draft_routing(0, probs, r=1))
+        after = runner.stats().total()
+    finally:
+        runner.close()
+    assert (after.hits - before.hits, after.misses - before.misses) == (2, 0)  # expert 3 was not copied
+    ran = LayerRouting(0, torch.tensor([[5], [1]]), torch.ones(2, 1, dtype=torch.float64), probs)  # renormalised
+    torch.testing.assert_close(out, reference(store, x, ran), rtol=0, atol=1e-12)

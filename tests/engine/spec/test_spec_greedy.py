@@ -104,13 +104,15 @@ def test_penalties_follow_the_running_counts(target: CausalLM) -> None:
         assert generate(decoder, bound, PROMPT, params).output_ids == plain_tokens(target, params)
 
 
-def test_self_spec_prefetches_the_k_minus_r_extra_experts(target: CausalLM) -> None:
+def test_self_spec_queues_each_drafted_tokens_top_k_for_prefetch(target: CausalLM) -> None:
+    """The whole top-k goes to the worker, which drops what is resident: the draft may have run a
+    resident expert instead of one of its top-r, and then the verify pass needs that one too."""
     sink = RecordingSink()
     bound = bind(target)
     decoder = SelfSpecDecoder(bound, SpecConfig(gamma=3, top_r=1), prefetch=sink)
     generate(decoder, bound, PROMPT, GREEDY)
     k, moe_layers = target.config.top_k, target.config.num_moe_layers
-    assert sink.tasks and all(len(experts) == k - 1 for _, experts in sink.tasks)
+    assert sink.tasks and all(len(experts) == k for _, experts in sink.tasks)
     assert {layer for layer, _ in sink.tasks} == set(range(moe_layers))
     accuracy = decoder.stats.predictor_accuracy_per_layer
     assert len(accuracy) == moe_layers and all(0.0 < a <= 1.0 for a in accuracy)
