@@ -49,10 +49,24 @@ def gathered_experts(
     """All routed experts of a few tokens at once, with no host sync: graph-capturable.
 
     x [T, H]; expert_weights/slot_ids [T, k] (each token's experts by the slot holding them);
-    slots [S, numel] holds every needed expert. Gathers the T*k weight rows and runs two batched
-    matmuls — worth it while T*k is small (decode, short verify spans); long prefills use
-    accumulate_experts instead.
+    slots [S, numel] holds every needed expert. Worth it while T*k is small (decode, short
+    verify spans); long prefills use accumulate_experts instead. On a GPU with triton the
+    fused kernel reads the routed slots in place; elsewhere the torch path gathers them.
     """
+    if x.is_cuda:
+        from engine.experts import fused_experts as fused  # imports triton: only on the GPU path
+
+        if fused.fused_experts_supported(x, slots):
+            return fused.fused_experts(x, expert_weights, slots, slot_ids, layout)
+    return gathered_experts_torch(x, expert_weights, slots, slot_ids, layout)
+
+
+def gathered_experts_torch(
+    x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+    layout: ExpertLayout,
+) -> torch.Tensor:
+    """The reference and CPU path of gathered_experts: copy the T*k weight rows out of their
+    slots, then two batched matmuls."""
     t, k = slot_ids.shape
     i, h = layout.intermediate_size, layout.hidden_size
     rows = slots.index_select(0, slot_ids.reshape(-1))  # [T*k, numel]
