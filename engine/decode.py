@@ -41,8 +41,10 @@ class BoundModel:
 def choose_token(seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
     """Sample (or argmax) the next token of seq from one position's logits [V]."""
     logits = apply_penalties(logits, seq.params, seq.output_counts)
-    probs = target_distribution(logits, seq.params)
-    token = int(probs.argmax()) if seq.params.temperature == 0 else draw(probs, seq.generator)
+    if seq.params.temperature == 0:  # the argmax of the one-hot target_distribution, without building it
+        token = int(logits.argmax())
+    else:
+        token = draw(target_distribution(logits, seq.params), seq.generator)
     logprob = None if seq.params.logprobs is None else token_logprob(logits, token, seq.params.logprobs)
     return token, logprob
 
