@@ -1,7 +1,8 @@
 """Measure the default target/draft pair on held-out stdlib files; prints one JSON object.
 
 Figures (all with transformers' own classes, fp32, CPU by default):
-  perplexity            per-token, over non-overlapping held-out windows, draft and target;
+  perplexity            per-token, over non-overlapping held-out windows, draft and target, and
+                        on how many of those windows the target's is the lower;
   expert_load           per layer: share of top-k picks per expert, entropy vs log(E);
   temporal_locality     per layer: mean |S_t ∩ S_t+1| / k over adjacent tokens of a window;
   next_layer_gate       per layer l: layer l+1's norm + router applied to the residual entering
@@ -77,21 +78,28 @@ class RoutingStats:
                 for l in range(self.num_layers)]
 
 
+def next_token_nll(logits: torch.Tensor, batch: torch.Tensor) -> torch.Tensor:
+    """Each window's summed next-token negative log-likelihood [B], for batch [B, T] under logits
+    [B, T, V]. Never a MoE's `loss`: called with output_router_logits, that adds
+    router_aux_loss_coef x the balance loss."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), batch[:, 1:], reduction="none").sum(-1)
+
+
 @torch.no_grad()
 def measure_windows(target: PreTrainedModel, draft: PreTrainedModel, windows: torch.Tensor,
                     batch_size: int) -> tuple[dict, RoutingStats]:
     cfg = target.config
     k, n_layers = cfg.num_experts_per_tok, cfg.num_hidden_layers
     stats = RoutingStats(n_layers, cfg.num_experts, k)
-    nll = {"target": 0.0, "draft": 0.0}
+    nll: dict[str, list[torch.Tensor]] = {"target": [], "draft": []}  # per-window sums
     t_tap, d_tap = ResidualTap(target), ResidualTap(draft)
     layers = target.model.layers
     for batch in windows.split(batch_size):  # [B, T]
         b, t = batch.shape
-        t_out = target(input_ids=batch, labels=batch, output_router_logits=True)
-        d_out = draft(input_ids=batch, labels=batch)
-        nll["target"] += t_out.loss.item() * b * (t - 1)
-        nll["draft"] += d_out.loss.item() * b * (t - 1)
+        t_out = target(input_ids=batch, output_router_logits=True)
+        d_out = draft(input_ids=batch)
+        nll["target"].append(next_token_nll(t_out.logits, batch))
+        nll["draft"].append(next_token_nll(d_out.logits, batch))
         true = [logits.topk(k, dim=-1).indices for logits in t_out.router_logits]  # L x [B*T, k]
         # copied out now: route() below runs the norms again, which re-fires the taps
         t_residuals = [r.reshape(b * t, -1) for r in t_tap.residuals]  # L x [B*T, H]
@@ -108,8 +116,10 @@ def measure_windows(target: PreTrainedModel, draft: PreTrainedModel, windows: to
     t_tap.close()
     d_tap.close()
     tokens = windows.shape[0] * (windows.shape[1] - 1)
-    ppl = {name: round(math.exp(total / tokens), 4) for name, total in nll.items()}
-    return {"perplexity": ppl, "scored_tokens": tokens}, stats
+    t_nll, d_nll = torch.cat(nll["target"]), torch.cat(nll["draft"])  # [W]
+    ppl = {name: round(math.exp(torch.cat(sums).sum().item() / tokens), 4) for name, sums in nll.items()}
+    better = f"{int((t_nll < d_nll).sum())}/{len(t_nll)}"
+    return {"perplexity": ppl, "scored_tokens": tokens, "windows_target_better_than_draft": better}, stats
 
 
 def self_drafter(target: PreTrainedModel) -> PreTrainedModel:

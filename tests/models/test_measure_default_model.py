@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -51,3 +52,14 @@ def test_overlap_counts_shared_experts_over_k():
     pred = torch.tensor([[0, 1], [2, 3], [4, 5]])
     true = torch.tensor([[1, 0], [3, 6], [6, 7]])
     assert mdm.overlap(pred, true).tolist() == [1.0, 0.5, 0.0]
+
+
+def test_perplexity_is_cross_entropy_without_the_routers_balance_loss(target):
+    windows = torch.randint(4, target.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    report, _ = mdm.measure_windows(target, target, windows, batch_size=2)
+    with torch.no_grad():
+        ce = target(input_ids=windows, labels=windows).loss.item()  # no router logits: no aux term
+        with_aux = target(input_ids=windows, labels=windows, output_router_logits=True).loss.item()
+    assert with_aux > ce  # what the script once reported for the target
+    assert report["perplexity"]["target"] == pytest.approx(math.exp(ce), rel=1e-4)
+    assert report["perplexity"]["draft"] == pytest.approx(math.exp(ce), rel=1e-4)
