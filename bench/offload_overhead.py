@@ -79,6 +79,9 @@ def profile(args: argparse.Namespace) -> None:
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(25)
     print(text.getvalue())
+    kernels = sorted(gpu.key_averages(), key=_device_us, reverse=True)[:20]
+    print("\n".join(f"{_device_us(e) / args.tokens:9.1f} us/token {e.count // args.tokens:5d}/token  {e.key[:90]}"
+                    for e in kernels))
     summary = {"tokens": args.tokens, "ms_per_token": wall / args.tokens * 1e3,
                "gpu_busy_ms_per_token": busy / args.tokens * 1e3}
     print(json.dumps(summary))
