@@ -58,6 +58,7 @@ def profile(args: argparse.Namespace) -> None:
     from engine.core import EngineCore, run_to_completion
     from engine.messages import GenerateRequest, SamplingParams
 
+    build_checkpoint(Path(args.checkpoint), OLMOE_SHAPE)
     prompt = tuple(seeded_prompts(read_config(args.checkpoint).vocab_size, 1, args.prompt_len)[0])
     core = EngineCore(_config(args, args.rows.split(",")[0]))
     try:
