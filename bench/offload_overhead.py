@@ -89,6 +89,32 @@ def profile(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps({**summary, "cprofile_tottime": text.getvalue()}, indent=2))
 
 
+def ops(args: argparse.Namespace) -> None:
+    """Which engine lines launch the step's copy and elementwise kernels: one eager static-shape
+    decode forward under the profiler, aten ops grouped by the innermost engine frame and shapes."""
+    from collections import Counter
+
+    from engine.runtime import build_runtime
+
+    build_checkpoint(Path(args.checkpoint), OLMOE_SHAPE)
+    runtime = build_runtime(_config(args, args.rows.split(",")[0]))
+    try:
+        model, kv = runtime.target.model, runtime.target.kv
+        device = model.device
+        model(torch.arange(3, 3 + args.prompt_len, device=device), 0, kv)
+        ids, pos = torch.tensor([7], device=device), torch.tensor([args.prompt_len], device=device)
+        with torch.profiler.profile(record_shapes=True, with_stack=True) as prof:
+            model.forward_static(ids, pos, 256, kv)
+    finally:
+        runtime.close()
+    counts: Counter = Counter()
+    for event in prof.events():
+        if event.name in ("aten::copy_", "aten::_to_copy", "aten::contiguous", "aten::clone", "aten::cat"):
+            frame = next((f for f in event.stack if "/engine/" in f), "?")
+            counts[(event.name, frame.split("/engine/")[-1], str(event.input_shapes)[:70])] += 1
+    print("\n".join(f"{n:4d}  {name:16} {frame:45} {shapes}" for (name, frame, shapes), n in counts.most_common(40)))
+
+
 def _device_us(event) -> float:
     """An averaged profiler event's own device time in microseconds, across torch versions."""
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
@@ -112,7 +138,7 @@ def table(paths: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["rows", "profile", "table"])
+    parser.add_argument("mode", choices=["rows", "profile", "ops", "table"])
     parser.add_argument("paths", nargs="*", help="table: result files")
     parser.add_argument("--label", default="ours")
     parser.add_argument("--rows", default="none", help="comma-separated prefetch modes, +cpu for --cpu-experts auto, +eager for no CUDA graphs")
@@ -126,7 +152,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     print(f"engine from {engine.__file__}", flush=True)
-    {"rows": rows, "profile": profile, "table": lambda a: table(a.paths)}[args.mode](args)
+    {"rows": rows, "profile": profile, "ops": ops, "table": lambda a: table(a.paths)}[args.mode](args)
 
 
 if __name__ == "__main__":
