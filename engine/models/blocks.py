@@ -98,16 +98,34 @@ class Attention(nn.Module):
             keys, values = step.kv.write(self.layer, step.start, k, v)  # [S, nkv, D] each
         else:
             keys, values = step.kv.write_at(self.layer, step.positions, k, v, step.span)  # [span, nkv, D]
-        mask = step.masks[self.window]
+        out = self._attend(q, keys, values, step.masks[self.window], step.start == 0 and t > 1)  # [T, nq*D]
+        return self.o(out)  # [T, H]
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
+        """q [T, nq, D] over keys/values [S, nkv, D] -> [T, nq*D].
+
+        Batched 4-D inputs, because SDPA's fused kernels take nothing else: 3-D ones fall back to
+        the math path, which upcasts the whole K/V span to fp32 every layer. A mask rules flash
+        out and the memory-efficient kernel has no GQA, so then each KV head's query group is
+        folded into the query rows instead of repeating K/V (HF's head order: kv head j serves
+        query heads j*g .. j*g+g-1).
+        """
+        t, nq, d = q.shape
+        k4, v4 = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, nkv, S, D]
+        if mask is not None and self.gqa:
+            nkv = keys.shape[1]
+            g = nq // nkv
+            q4 = q.view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(1, nkv, g * t, d)  # rows (i, t) per kv head
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask.repeat(g, 1)[None, None])
+            return out.view(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, nq * d)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),  # [nq, T, D]
-            keys.transpose(0, 1),  # [nkv, S, D]
-            values.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=mask is None and step.start == 0 and t > 1,
+            q.transpose(0, 1)[None], k4, v4,  # [1, nq, T, D]
+            attn_mask=None if mask is None else mask[None, None],
+            is_causal=mask is None and causal,
             enable_gqa=self.gqa,
-        )  # [nq, T, D]
-        return self.o(out.transpose(0, 1).reshape(t, self.q_size))  # [T, H]
+        )  # [1, nq, T, D]
+        return out[0].transpose(0, 1).reshape(t, nq * d)
 
 
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
