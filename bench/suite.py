@@ -42,7 +42,7 @@ EXPERT_MB = {"default-olmoe": 12.6, "default-mixtral": 352.0}  # OLMoE's and Mix
 SMOKE_EXPERT_MB = 0.5  # just above the trained 393 KB: the expansion only widens
 ALL_GPU = "ours all-GPU"
 LRU = "ours offloaded, on-demand LRU"
-SPEC_ROWS = ("+ SS-MoE self-draft", "+ SP-MoE draft, SD-aware prefetch")
+SPEC_ROWS = ("+ SS-MoE self-draft", "+ external draft, no prefetch (plain SD)", "+ SP-MoE draft, SD-aware prefetch")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ CPU_EXPERTS = "+ CPU experts (HybriMoE)"
 # The first three rows add one thing each to the one above. Next-layer prefetch loses in every
 # table so far (README), so the rest start again from MRS without it (its routing-replay numbers
 # win at every cache size), each adding its own mechanism: CPU compute of missed experts, SS-MoE
-# self-draft with its k - r prefetch, SP-MoE's external draft with cross-model (SD-aware) prefetch.
+# self-draft with its k - r prefetch, an external draft without prefetch (SP-MoE's baseline), and
+# SP-MoE's external draft with cross-model (SD-aware) prefetch.
 OFFLOAD_STACK = (
     StackRow(LRU, dict(cache_policy="lru")),
     StackRow("+ next-layer prefetch", dict(cache_policy="lru", prefetch="next-layer")),
@@ -65,7 +66,8 @@ OFFLOAD_STACK = (
     StackRow(MRS_ALONE, dict(cache_policy="mrs")),
     StackRow(CPU_EXPERTS, dict(cache_policy="mrs", cpu_experts="auto")),
     StackRow(SPEC_ROWS[0], dict(cache_policy="mrs", spec="self")),
-    StackRow(SPEC_ROWS[1], dict(cache_policy="mrs", spec="draft")),
+    StackRow(SPEC_ROWS[1], dict(cache_policy="mrs", spec="draft", spec_cutoff=0)),  # SP-MoE's baseline
+    StackRow(SPEC_ROWS[2], dict(cache_policy="mrs", spec="draft")),
 )
 
 
@@ -137,7 +139,7 @@ def plan_rows(setup: Setup, args: argparse.Namespace, device: torch.device, dtyp
 
 
 def skip_reason(row: PlannedRow, setup: Setup, device: torch.device) -> str | None:
-    if row.name == SPEC_ROWS[1] and setup.draft is None:
+    if row.name in SPEC_ROWS[1:] and setup.draft is None:
         return "no draft model for this checkpoint"
     if row.name == "accelerate offload" and device.type != "cuda":
         return "accelerate offload needs a GPU"
@@ -168,6 +170,7 @@ def ratios(rows: list[RowResult], budgets: list[str], accelerate_budget: str) ->
                   ("accelerate offload", accelerate_budget), [(s.name, accelerate_budget) for s in OFFLOAD_STACK])}
     for budget in budgets:
         result[f"best_spec_vs_lru_at_{budget}"] = speedup((LRU, budget), [(n, budget) for n in SPEC_ROWS])
+        result[f"sp_moe_vs_plain_sd_at_{budget}"] = speedup((SPEC_ROWS[1], budget), [(SPEC_ROWS[2], budget)])
     for r in rows:
         if r.extra.get("budget") not in ("all", None) and "measured_over_floor" in r.extra:
             result[f"measured_over_floor: {r.name} [{r.extra['budget']}]"] = r.extra["measured_over_floor"]

@@ -44,7 +44,7 @@ def profile_expert_load(expert_bytes: int, device: torch.device, repeats: int = 
 def plan_cutoff(config: SpecConfig, target: ModelConfig, draft_depth: int, experts_per_layer: int,
                 expert_bytes: int, free_bytes: int, profile: SpecProfile) -> int:
     """--spec-cutoff when given, else SP-MoE's bound with `experts_per_layer` prefetched per MoE layer
-    (k for a separate draft; k - r for self-drafting, whose top-r the draft loads itself)."""
+    (k for a separate draft; k - r for self-drafting, whose r drafted experts are resident)."""
     if config.cutoff is not None:
         return min(config.cutoff, target.num_moe_layers)
     return choose_cutoff(CutoffInputs(
