@@ -219,7 +219,9 @@ class CachedExpertRunner:
         split, layers = self._capture
         guess = self._predictor.guess(routing.layer, x) if self._predictor is not None else None
         readback = self._pack(routing, guess)
-        index = torch.empty((2, *routing.expert_ids.shape), dtype=torch.long, device=x.device)  # host-written
+        # host-written between replays; zeroed in this segment, i.e. before the host writes it,
+        # so that where "capture" runs eagerly (CPU tests) the experts below read valid slots
+        index = torch.zeros((2, *routing.expert_ids.shape), dtype=torch.long, device=x.device)
         num_candidates = 0 if routing.candidates is None else routing.candidates.shape[1]
         layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index, guess))
         split()
@@ -239,8 +241,8 @@ class CachedExpertRunner:
             self._predictor.record_used(layer, back.experts)
         wave = self.cache.acquire(layer, back.experts, whole=True)
         self.cache.wait_pending(wave)
-        index = torch.tensor([[[wave.slots[e] for e in back.ids[0]]], back.ids], pin_memory=True)  # [2, 1, k]
-        captured.index.copy_(index, non_blocking=True)
+        index = torch.tensor([[[wave.slots[e] for e in back.ids[0]]], back.ids])  # [2, 1, k]
+        captured.index.copy_(index.pin_memory() if captured.index.is_cuda else index, non_blocking=True)
         prefetches = self._predictor.remember(captured.guess, back.ranked) if captured.guess is not None else []
         self._held = _Held(wave, prefetches)
 

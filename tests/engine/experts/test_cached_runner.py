@@ -156,3 +156,36 @@ def test_a_self_draft_runs_resident_experts_of_its_top_k_first(store, reference)
     assert (after.hits - before.hits, after.misses - before.misses) == (2, 0)  # expert 3 was not copied
     ran = LayerRouting(0, torch.tensor([[5], [1]]), torch.ones(2, 1, dtype=torch.float64), probs)  # renormalised
     torch.testing.assert_close(out, reference(store, x, ran), rtol=0, atol=1e-12)
+
+
+def test_piecewise_capture_then_replay_hands_the_next_segment_resident_slots(store, reference) -> None:
+    """The host half of a piecewise-graphed step (engine/graphs.py), run on the CPU: capturing packs
+    the routing and counts nothing; replaying a layer makes its experts resident in one wave and
+    writes their slots and ids where the next segment's expert compute reads them."""
+    from engine.experts.compute import gathered_experts
+
+    runner = CachedExpertRunner(store, 3 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    x = torch.randn(1, store.layout.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    probs = torch.zeros(1, store.num_experts, dtype=torch.float64)
+    probs[0, [6, 2]] = torch.tensor([0.7, 0.3], dtype=torch.float64)
+    splits = []
+    try:
+        runner.run(x, LayerRouting(1, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.float64), probs))  # 2 resident
+        before = runner.stats().total()
+        with runner.capturing(lambda: splits.append(len(splits))) as layers:
+            routing = _draft_routing(1, probs, r=1)
+            runner.run(x, routing)
+        assert splits == [0] and [(c.layer, c.k, c.num_candidates) for c in layers] == [(1, 1, TOP_K)]
+        assert runner.stats().total().hits == before.hits  # a capture runs nothing, so counts nothing
+        runner.replay_layer(layers[0])
+        index = layers[0].index  # [2, 1, k]: slots, expert ids
+        assert index[1].tolist() == [[2]]  # the resident expert of the top-2, not the best one (6)
+        out = gathered_experts(x, routing.reweighted(index[1]), runner.cache.slots, index[0], store.layout)
+        runner.finish_replay()
+        after = runner.stats().total()
+    finally:
+        runner.close()
+    assert (after.hits - before.hits, after.misses - before.misses) == (1, 0)
+    ran = LayerRouting(1, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.float64), probs)
+    torch.testing.assert_close(out, reference(store, x, ran), rtol=0, atol=1e-12)
+    assert runner.cache.resident_experts == 1 and not runner.cache._table.is_pinned((1, 2))
