@@ -2,9 +2,10 @@
 
 One device call times the engine of this tree and, for the baseline, an older engine tree put
 first on PYTHONPATH (this script then imports `engine` from there):
-    python bench/offload_overhead.py rows --label after --rows none,next-layer,none+cpu,next-layer+cpu --out A.json
+    python bench/offload_overhead.py rows --label after --rows none,none+eager,next-layer,none+cpu --out A.json
     PYTHONPATH=.before python bench/offload_overhead.py rows --label before --rows none,next-layer --out B.json
-    python bench/offload_overhead.py profile --out P.json   # where the host time of one offloaded token goes
+    python bench/offload_overhead.py profile --out P.json   # host time and the top kernels of one token
+    python bench/offload_overhead.py ops --budget 100%      # which aten copies one static forward launches
     python bench/offload_overhead.py table B.json A.json
 The checkpoint is bench/olmoe_shape.py's (random weights, built once on the GPU).
 """
