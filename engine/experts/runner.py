@@ -7,6 +7,11 @@ computed: one token by one gathered batched matmul after its copies landed, more
 by expert while the copies fly. Then the guess is prefetched and the CPU's sum added. If the
 layer needs more experts than the cache can hold at once (a long verify pass, a tiny budget) it
 runs in waves: fill, compute, unpin, refill. Neither caching nor the CPU changes the math.
+
+A one-token step replayed as piecewise CUDA graphs (engine/graphs.py) does the same host work
+between two graphs: `capturing` splits the capture at each layer's expert call, `replay_layer`
+reads the routing, makes the layer's experts resident in one wave and writes their slots for the
+next graph. A self-draft (LayerRouting.candidates) runs the resident experts of its top-k first.
 """
 from __future__ import annotations
 
