@@ -7,7 +7,7 @@ the loader; a freshly built CausalLM holds random weights.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -153,10 +153,12 @@ class MoEBlock(nn.Module):
     def routing(self, x: torch.Tensor, top_r: int | None) -> LayerRouting:
         """Route x [T, H]; with top_r, keep only each token's r best experts (SS-MoE self-draft),
         offering the runner the whole top-k to pick resident ones from."""
-        k = self.top_k if top_r is None else min(top_r, self.top_k)
-        ids, weights, probs = route(self.router(x), k, self.normalize)
-        candidates = probs.topk(self.top_k, dim=-1).indices if k < self.top_k else None  # [T, K]
-        return LayerRouting(self.moe_layer, ids, weights, probs, candidates, self.normalize)
+        ids, weights, probs = route(self.router(x), self.top_k, self.normalize)  # [T, K], best first
+        routing = LayerRouting(self.moe_layer, ids, weights, probs, normalize=self.normalize)
+        if top_r is None or top_r >= self.top_k:
+            return routing
+        best = ids[:, :top_r]  # [T, r]
+        return replace(routing, expert_ids=best, expert_weights=routing.reweighted(best), candidates=ids)
 
     def forward(self, x: torch.Tensor, runner: ExpertRunner, top_r: int | None) -> torch.Tensor:
         out = runner.run(x, self.routing(x, top_r))  # [T, H]
