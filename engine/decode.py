@@ -12,7 +12,9 @@ from engine.sampling import apply_penalties, draw, target_distribution, token_lo
 from engine.sequence import Sequence
 
 
-_GRAPHABLE_KWARGS = {"last_only", "moe_top_r"}  # a hook like on_attention_output needs eager mode
+# what a graph replay can honour; an on_attention_output hook is captured with the forward, so it
+# must only do device work (the speculative expert predictor is written that way)
+_GRAPHABLE_KWARGS = {"last_only", "moe_top_r", "on_attention_output"}
 
 
 class BoundModel:
@@ -22,15 +24,16 @@ class BoundModel:
                  on_forward: Callable[[int], None] | None = None, graphs: GraphedDecode | None = None) -> None:
         self.model, self.kv, self.device = model, kv, device
         self.on_forward = on_forward  # told the start position of each forward (routing traces)
-        self.graphs = graphs  # one-token forwards replay CUDA graphs when set
+        self.graphs = graphs  # short forwards (decode, draft, verify) replay CUDA graphs when set
 
     def forward(self, ids: list[int], **model_kwargs) -> torch.Tensor:
         """Run ids at positions kv.length.. and return fp32 logits [T, V] on the CPU."""
         start = self.kv.length
         if self.on_forward is not None:
             self.on_forward(start)
-        if self.graphs is not None and len(ids) == 1 and set(model_kwargs) <= _GRAPHABLE_KWARGS:
-            return self.graphs.forward(ids[0], model_kwargs.get("moe_top_r")).float().cpu()
+        if self.graphs is not None and set(model_kwargs) <= _GRAPHABLE_KWARGS and self.graphs.accepts(len(ids)):
+            logits = self.graphs.forward(ids, model_kwargs.get("moe_top_r"), model_kwargs.get("on_attention_output"))
+            return (logits[-1:] if model_kwargs.get("last_only") else logits).float().cpu()
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
         return self.model(input_ids, start, self.kv, **model_kwargs).float().cpu()
 

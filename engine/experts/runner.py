@@ -8,10 +8,12 @@ by expert while the copies fly. Then the guess is prefetched and the CPU's sum a
 layer needs more experts than the cache can hold at once (a long verify pass, a tiny budget) it
 runs in waves: fill, compute, unpin, refill. Neither caching nor the CPU changes the math.
 
-A one-token step replayed as piecewise CUDA graphs (engine/graphs.py) does the same host work
-between two graphs: `capturing` splits the capture at each layer's expert call, `replay_layer`
-reads the routing, makes the layer's experts resident in one wave and writes their slots for the
-next graph. A self-draft (LayerRouting.candidates) runs the resident experts of its top-k first.
+A short span (a decode token, a draft, a verify pass) replayed as piecewise CUDA graphs
+(engine/graphs.py) does the same host work between two graphs: `capturing` splits the capture at
+each layer's expert call, `replay_layer` reads the routing, makes the layer's experts resident in
+one wave and writes their slots for the next graph. A self-draft (LayerRouting.candidates) runs
+the resident experts of its top-k first. `recording` collects the experts each layer ran (the
+verify pass's, which speculative decoding scores its expert predictions against).
 """
 from __future__ import annotations
 
@@ -66,18 +68,22 @@ class ReadBack:
 
 @dataclass(frozen=True)
 class CapturedLayer:
-    """One MoE layer of a piecewise-captured one-token step (see engine/graphs.py).
+    """One MoE layer of a piecewise-captured span of T tokens (see engine/graphs.py).
 
     The segment ending at this layer leaves its packed read-back in `readback`; the host decides
     where the layer's experts are and writes their slots (and, for a self-draft, which experts)
     into `index`, which the next segment's expert compute reads. Both keep fixed addresses."""
 
     layer: int
-    k: int  # experts the token runs
+    k: int  # experts each token runs
     num_candidates: int  # a self-draft's top-k it picks them from (0: not a draft)
     readback: torch.Tensor  # flat, as _pack makes it
-    index: torch.Tensor  # [2, 1, k] int64: the slot of each expert the token runs, then its expert id
+    index: torch.Tensor  # [2, T, k] int64: the slot of each expert a token runs, then its expert id
     guess: Guess | None
+
+    @property
+    def tokens(self) -> int:
+        return self.index.shape[1]
 
 
 @dataclass
@@ -90,6 +96,10 @@ class _Held:
 
 def _chunks(values: list, size: int) -> list[list[int]]:
     return [[int(v) for v in values[i : i + size]] for i in range(0, len(values), size)]
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _to_device(values: list, device: torch.device) -> torch.Tensor:
@@ -129,6 +139,7 @@ class CachedExpertRunner:
         self._runs = 0  # layer runs started, the prefetch worker's clock
         self._capture: tuple[Callable[[], None], list[CapturedLayer]] | None = None
         self._held: _Held | None = None
+        self._recording: dict[int, set[int]] | None = None
 
     @classmethod
     def from_config(cls, store: ExpertSource, config: EngineConfig, *, top_k: int,
@@ -150,7 +161,7 @@ class CachedExpertRunner:
         if self._capture is not None:  # nothing runs now, so nothing is counted
             return self._run_captured(x, routing)
         self._runs += 1
-        if self.graph_safe and x.shape[0] == 1:
+        if self.graph_safe and (x.shape[0] == 1 or _capturing(x)):
             return self._run_resident(x, routing)
         layer = routing.layer
         guess = self._predictor.guess(layer, x) if self._predictor is not None else None
@@ -159,8 +170,7 @@ class CachedExpertRunner:
         if back.ids != read.ids:
             ids = _to_device(back.ids, x.device)  # [T, r]
             routing = replace(routing, expert_ids=ids, expert_weights=routing.reweighted(ids))
-        if self._predictor is not None:
-            self._predictor.record_used(layer, back.experts)
+        self._record(layer, back)
         if self._observer is not None:
             self._observer.on_layer(routing, self._next_guess(layer, x, guess))
         job = self._start_cpu(x, routing, back) if self._cpu is not None else None
@@ -193,24 +203,38 @@ class CachedExpertRunner:
         return self.cache.resident_slots is not None and self._observer is None
 
     def _run_resident(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
-        """One token, every expert resident: no host sync, so CUDA graphs can capture it.
-
-        Counted as the token's k distinct experts, all hits; while a graph is being captured
-        nothing is counted — a replay runs no Python, so the graph's owner counts replays."""
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+        """Every expert resident: no host sync, so CUDA graphs can capture it. Eagerly only for
+        one token, counted as its k distinct experts, all hits; while a graph is being captured
+        (any T) nothing is counted — a replay runs no Python, so the graph's owner counts replays."""
+        if not _capturing(x):
             self.cache.stats.add(routing.layer, hits=routing.expert_ids.shape[1])
-        slot_ids = self.cache.resident_slots[routing.layer][routing.expert_ids]  # [1, k]
+        slot_ids = self.cache.resident_slots[routing.layer][routing.expert_ids]  # [T, k]
         return gathered_experts(x, routing.expert_weights, self.cache.slots, slot_ids, self.layout)
 
     @property
     def replayable(self) -> bool:
-        """One-token steps can be captured piecewise: every host decision is the cache's, made
+        """Short spans can be captured piecewise: every host decision is the cache's, made
         between segments (a per-layer observer or CPU experts need the eager path)."""
         return self.cache.device.type == "cuda" and self._observer is None and self._cpu is None
 
+    def can_replay(self, tokens: int) -> bool:
+        """A replayed layer computes all its experts in one wave: the cache must hold the most
+        distinct experts `tokens` tokens can route to."""
+        return min(tokens * self.top_k, self._num_experts) <= self.cache.capacity
+
+    @contextmanager
+    def recording(self) -> Iterator[dict[int, set[int]]]:
+        """Collect, per MoE layer, the experts the layer runs started meanwhile ran (eager or replayed)."""
+        used: dict[int, set[int]] = {}
+        self._recording = used
+        try:
+            yield used
+        finally:
+            self._recording = None
+
     @contextmanager
     def capturing(self, split: Callable[[], None]) -> Iterator[list[CapturedLayer]]:
-        """While a one-token forward is being captured piecewise: each MoE layer packs its read-back,
+        """While a short forward is being captured piecewise: each MoE layer packs its read-back,
         calls `split` (end this graph, begin the next) and computes its experts from slot ids that
         replay_layer fills in. Yields the layers in order as they are captured."""
         layers: list[CapturedLayer] = []
@@ -240,13 +264,13 @@ class CachedExpertRunner:
         self._runs += 1
         self._release_held()  # the previous layer's compute is enqueued: its slots may go
         layer = captured.layer
-        back = self._unpack(captured.readback.tolist(), layer, 1, captured.k, captured.num_candidates, captured.guess)
+        back = self._unpack(captured.readback.tolist(), layer, captured.tokens, captured.k, captured.num_candidates,
+                            captured.guess)
         back = self._draft_choice(layer, back)
-        if self._predictor is not None:
-            self._predictor.record_used(layer, back.experts)
+        self._record(layer, back)
         wave = self.cache.acquire(layer, back.experts, whole=True)
         self.cache.wait_pending(wave)
-        index = torch.tensor([[[wave.slots[e] for e in back.ids[0]]], back.ids])  # [2, 1, k]
+        index = torch.tensor([[[wave.slots[e] for e in row] for row in back.ids], back.ids])  # [2, T, k]
         captured.index.copy_(index.pin_memory() if captured.index.is_cuda else index, non_blocking=True)
         prefetches = self._predictor.remember(captured.guess, back.ranked) if captured.guess is not None else []
         self._held = _Held(wave, prefetches)
@@ -263,9 +287,10 @@ class CachedExpertRunner:
         for target, experts in held.prefetches:
             self.cache.prefetch(target, experts)
 
-    def count_replayed_token(self, experts_per_layer: int) -> None:
-        """Book one token replayed by a CUDA graph: each MoE layer used that many resident experts."""
-        self.cache.stats.add_every_layer(hits=experts_per_layer)
+    def count_replayed_tokens(self, tokens: int, experts_per_layer: int) -> None:
+        """Book tokens replayed by a one-piece CUDA graph: each MoE layer used that many resident
+        experts per token (a span's distinct count would need the host; T x k bounds it)."""
+        self.cache.stats.add_every_layer(hits=tokens * experts_per_layer)
 
     def finish_step(self) -> None:
         """Call once per engine step, after the step's natural sync (the sampled token was read)."""
@@ -319,6 +344,12 @@ class CachedExpertRunner:
             rest = rest[self._num_experts :]
         ranked = _chunks(rest, guess.ranked.shape[1]) if guess is not None else []
         return ReadBack(ids, sorted({e for row in ids for e in row}), ranked, candidates)
+
+    def _record(self, layer: int, back: ReadBack) -> None:
+        if self._predictor is not None:
+            self._predictor.record_used(layer, back.experts)
+        if self._recording is not None:
+            self._recording.setdefault(layer, set()).update(back.experts)
 
     def _draft_choice(self, layer: int, back: ReadBack) -> ReadBack:
         """A self-draft runs r experts per token: resident ones among its top-k first (SS-MoE), so

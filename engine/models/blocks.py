@@ -292,15 +292,16 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_static(self, input_ids: torch.Tensor, positions: torch.Tensor, span: int, kv: KVCache, *,
-                       moe_top_r: int | None = None) -> torch.Tensor:
+                       moe_top_r: int | None = None, on_attention_output: AttentionHook | None = None) -> torch.Tensor:
         """Logits [T, V] with every shape fixed by (T, span) and positions a device tensor [T].
 
         What a CUDA graph captures: queries attend over the first `span` cache entries, masked by
-        position. Leaves kv.length alone (the caller advances it after a replay).
+        position. Leaves kv.length alone (the caller advances it after a replay). A hook is
+        captured too, so it may only do device work.
         """
         cos, sin = self.rotary.cos_sin_at(positions, self.dtype)
         masks = {w: static_attention_mask(positions, span, w) for w in set(self.config.attention_windows)}
-        step = _Step(0, kv, cos, sin, masks, self.runner, moe_top_r, None, positions, span)
+        step = _Step(0, kv, cos, sin, masks, self.runner, moe_top_r, on_attention_output, positions, span)
         return self._layers_and_head(input_ids, step, last_only=False)
 
     def _layers_and_head(self, input_ids: torch.Tensor, step: _Step, last_only: bool) -> torch.Tensor:

@@ -3,9 +3,12 @@
 At each drafting layer that the layer map ties to target MoE layers, the drafting model's
 attention output h (the residual stream after attention, which the model hands to
 `on_attention_output`) goes through the *target's* post-attention norm and router; the top-k
-experts are what the verify pass will likely route this token to. They become prefetch tasks at
-once, so the copies overlap the rest of drafting. The worker drops experts that are already
-resident or in flight (Algorithm 1's cached-queue check, done where the cache lock is held).
+experts are what the verify pass will likely route this token to. The hook only writes them into
+a fixed device buffer, so a drafting forward replayed as a CUDA graph computes them too; after
+each drafted token they become prefetch tasks, so the copies overlap the rest of drafting (one
+draft token of a small model is far shorter than one expert copy). The worker drops experts that
+are already resident or in flight (Algorithm 1's cached-queue check, done where the cache lock
+is held). The verify pass's own routing, read back by the expert runner, scores the predictions.
 
 The same predictor serves self-speculation: there the drafting model is the target itself running
 r of its top-k experts and the layer map is the identity; the worker drops the experts the draft
@@ -14,7 +17,8 @@ just ran (resident), which leaves SS-MoE's incremental loads of the others.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -69,37 +73,47 @@ class WorkerPrefetch:
 
 
 class CrossModelPredictor:
-    def __init__(self, route: RouteFn, draft_to_target: tuple[tuple[int, ...], ...],
-                 target_moe_layers: tuple[int, ...], sink: PrefetchSink) -> None:
+    def __init__(self, target: CausalLM, draft_to_target: tuple[tuple[int, ...], ...], sink: PrefetchSink) -> None:
         """draft_to_target[d]: target MoE layers predicted at drafting layer d (layer_map.layer_map)."""
-        self.route, self.draft_to_target, self.sink = route, draft_to_target, sink
-        self.moe_index = {layer: i for i, layer in enumerate(target_moe_layers)}
+        self.route, self.draft_to_target, self.sink = target_router(target), draft_to_target, sink
+        self.runner = target.runner
+        predicted_layers = sorted({m for layers in draft_to_target for m in layers})
+        self._row = {moe_layer: i for i, moe_layer in enumerate(predicted_layers)}
+        # the latest drafted token's top-k per predicted MoE layer: a fixed address a graph writes
+        self._latest = torch.zeros(len(predicted_layers), target.config.top_k, dtype=torch.long,
+                                   device=target.device)  # [M, k]
         self.predicted: dict[int, list[torch.Tensor]] = defaultdict(list)  # MoE layer -> [k] ids per drafted token
-        self.needed: dict[int, list[torch.Tensor]] = defaultdict(list)  # MoE layer -> [T, k] ids of the verify pass
+        self.needed: dict[int, set[int]] = {}  # MoE layer -> experts the verify pass ran
 
     def on_draft_attention(self, layer: int, h: torch.Tensor) -> None:
-        """Drafting layer `layer` produced h [T, H]; only the last row is a token the verify pass will run."""
+        """Drafting layer `layer` produced h [T, H]; only the last row is a token the verify pass will run.
+        Device work only (CUDA graphs capture it); after_draft_token hands the result on."""
         for moe_layer in self.draft_to_target[layer]:
-            experts = self.route(moe_layer, h[-1:])[0]  # [k]
-            self.predicted[moe_layer].append(experts)
-            self.sink.submit(moe_layer, experts)
+            self._latest[self._row[moe_layer]].copy_(self.route(moe_layer, h[-1:])[0])
 
-    def on_verify_attention(self, layer: int, h: torch.Tensor) -> None:
-        """Target layer `layer` in the verify pass, h [T, H]: record what it needs, for the accuracy counters."""
-        moe_layer = self.moe_index.get(layer)
-        if moe_layer in self.predicted:
-            self.needed[moe_layer].append(self.route(moe_layer, h))  # [T, k]
+    def after_draft_token(self) -> None:
+        """After each drafting forward: its predictions become prefetch tasks, layer by layer."""
+        latest = self._latest.clone()  # [M, k] the next drafting forward rewrites _latest
+        for moe_layer, row in self._row.items():
+            self.predicted[moe_layer].append(latest[row])
+            self.sink.submit(moe_layer, latest[row])
+
+    @contextmanager
+    def verifying(self) -> Iterator[None]:
+        """Around the verify pass: what its MoE layers ran is what the predictions are scored against."""
+        with self.runner.recording() as used:
+            yield
+        self.needed = used
 
     def finish_round(self, stats: SpecStats) -> None:
         """Fold this draft/verify round into the per-layer accuracy counters and start afresh."""
         for moe_layer, predicted in self.predicted.items():
-            needed = self.needed.get(moe_layer, [])
-            stats.record_prediction(moe_layer, _ids(predicted), _ids(needed))
+            stats.record_prediction(moe_layer, _ids(predicted), self.needed.get(moe_layer, set()))
         self.reset()
 
     def reset(self) -> None:
         self.predicted.clear()
-        self.needed.clear()
+        self.needed = {}
 
 
 def _ids(tensors: list[torch.Tensor]) -> set[int]:

@@ -12,7 +12,7 @@ import logging
 from engine.decode import BoundModel
 from engine.models.config import ModelConfig
 from engine.spec.config import SpecConfig
-from engine.spec.cross_model import CrossModelPredictor, PrefetchSink, target_router
+from engine.spec.cross_model import CrossModelPredictor, PrefetchSink
 from engine.spec.layer_map import layer_map
 from engine.spec.loop import Drafter, SpecDecoder
 from engine.spec.stats import SpecStats
@@ -51,4 +51,4 @@ def _cross_model_predictor(target: BoundModel, draft: ModelConfig, prefetch: Pre
                     "only the next-layer predictor prefetches", draft.hidden_size, target_config.hidden_size)
         return None
     mapping = layer_map(draft.num_layers, target_config.num_layers, target_config.moe_layers, cutoff)
-    return CrossModelPredictor(target_router(target.model), mapping, target_config.moe_layers, prefetch)
+    return CrossModelPredictor(target.model, mapping, prefetch)

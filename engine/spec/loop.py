@@ -96,6 +96,8 @@ class SpecDecoder:
         greedy = seq.params.temperature == 0
         while len(drafts) < budget:
             logits = apply_penalties(self.drafter.next_logits(ids), seq.params, counts)  # [V]
+            if self.predictor is not None:
+                self.predictor.after_draft_token()
             q = target_distribution(logits, seq.params)  # [V]
             token = int(q.argmax()) if greedy else draw(q, seq.generator)
             drafts.append(Drafted(token, q))
@@ -114,7 +116,8 @@ class SpecDecoder:
         ids = [seq.all_ids[-1]] + [d.token for d in drafts]
         if self.predictor is None:
             return self.target.forward(ids)
-        return self.target.forward(ids, on_attention_output=self.predictor.on_verify_attention)
+        with self.predictor.verifying():
+            return self.target.forward(ids)
 
     def _accept(self, seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, max_model_len: int) -> int:
         """Emit kept drafts, then a correction or the bonus token; returns how many drafts were kept."""

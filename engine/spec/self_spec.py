@@ -6,14 +6,15 @@ so the cache after a step equals a fresh prefill of the accepted text. Each draf
 r of its top-k experts, resident ones first (the runner picks them: a draft only has to be
 cheap, the verify pass decides what is kept). While drafting, the draft's router scores of each
 layer name the top-k the verify pass will need; the ones not resident (the k - r extra, plus any
-top-r expert the draft swapped for a resident one) are queued for the prefetch worker at once.
+top-r expert the draft swapped for a resident one) are queued for the prefetch worker after
+each drafted token.
 """
 from __future__ import annotations
 
 from engine.decode import BoundModel
 from engine.models.config import ModelConfig
 from engine.spec.config import SpecConfig
-from engine.spec.cross_model import CrossModelPredictor, PrefetchSink, target_router
+from engine.spec.cross_model import CrossModelPredictor, PrefetchSink
 from engine.spec.layer_map import layer_map
 from engine.spec.loop import Drafter, SpecDecoder
 from engine.spec.stats import SpecStats
@@ -33,9 +34,8 @@ class SelfSpecDecoder(SpecDecoder):
         predictor = None
         if prefetch is not None:
             depth = model_config.num_layers  # the draft is the target: the map is the identity
-            predictor = CrossModelPredictor(
-                target_router(target.model), layer_map(depth, depth, model_config.moe_layers, cutoff),
-                model_config.moe_layers, prefetch)
+            predictor = CrossModelPredictor(target.model, layer_map(depth, depth, model_config.moe_layers, cutoff),
+                                            prefetch)
         hook = None if predictor is None else predictor.on_draft_attention
         drafter = Drafter(target, moe_top_r=config.top_r, on_attention_output=hook)
         super().__init__(target, drafter, config, predictor, stats)

@@ -29,6 +29,12 @@ def test_static_forward_matches_eager(tmp_path, family):
                                    static, moe_top_r=None)
         static.length = pos + 1
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    span = [8, 90, 31]  # a verify pass: several queries, each masked to its own past
+    pos = static.length
+    want = model(torch.tensor(span), pos, eager)  # [3, V]
+    got = model.forward_static(torch.tensor(span), torch.arange(pos, pos + 3), span_bucket(pos + 3, static.max_len),
+                               static, moe_top_r=None)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     runtime.close()
 
 
@@ -60,7 +66,7 @@ def test_a_replayed_token_books_its_experts_in_every_layer(tmp_path):
     runtime = build_runtime(EngineConfig(model=str(build_tiny_checkpoint("olmoe", tmp_path / "m"))))
     try:
         before = runtime.runner.stats().column("hits")
-        runtime.runner.count_replayed_token(3)
+        runtime.runner.count_replayed_tokens(1, 3)
         after = runtime.runner.stats().column("hits")
     finally:
         runtime.close()

@@ -189,3 +189,44 @@ def test_piecewise_capture_then_replay_hands_the_next_segment_resident_slots(sto
     ran = LayerRouting(1, torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.float64), probs)
     torch.testing.assert_close(out, reference(store, x, ran), rtol=0, atol=1e-12)
     assert runner.cache.resident_experts == 1 and not runner.cache._table.is_pinned((1, 2))
+
+
+def test_a_replayed_verify_span_hands_every_token_its_slots(store, make_routing, reference) -> None:
+    """A piecewise-graphed span of several tokens (a verify pass): one wave holds the union of
+    the tokens' experts, and each token's row of the index names the slots of its own experts."""
+    from engine.experts.compute import gathered_experts
+
+    tokens = 3
+    runner = CachedExpertRunner(store, tokens * TOP_K * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
+    routing = make_routing(2, tokens, store.num_experts, TOP_K, gen)
+    assert runner.can_replay(tokens) and not runner.can_replay(tokens + 1)
+    try:
+        with runner.capturing(lambda: None) as layers:
+            runner.run(x, routing)
+        assert layers[0].tokens == tokens
+        with runner.recording() as used:
+            runner.replay_layer(layers[0])
+        index = layers[0].index  # [2, T, k]
+        assert index[1].tolist() == routing.expert_ids.tolist()
+        out = gathered_experts(x, routing.expert_weights, runner.cache.slots, index[0], store.layout)
+        runner.finish_replay()
+    finally:
+        runner.close()
+    assert used == {2: set(routing.expert_ids.reshape(-1).tolist())}
+    torch.testing.assert_close(out, reference(store, x, routing), rtol=0, atol=1e-12)
+
+
+def test_recording_collects_each_layers_experts_on_the_eager_path(store, make_routing, reference) -> None:
+    runner = CachedExpertRunner(store, 3 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    gen = torch.Generator().manual_seed(6)
+    routings = [make_routing(layer, 4, store.num_experts, TOP_K, gen) for layer in range(store.num_layers)]
+    try:
+        runner.run(torch.randn(4, store.layout.hidden_size, generator=gen, dtype=torch.float64), routings[0])
+        with runner.recording() as used:
+            for routing in routings[1:]:
+                runner.run(torch.randn(4, store.layout.hidden_size, generator=gen, dtype=torch.float64), routing)
+    finally:
+        runner.close()
+    assert used == {r.layer: set(r.expert_ids.reshape(-1).tolist()) for r in routings[1:]}

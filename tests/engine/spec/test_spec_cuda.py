@@ -12,8 +12,10 @@ from spec_harness import (
     load_dense,
 )
 
+from engine.config import EngineConfig
+from engine.core import EngineCore, run_to_completion
 from engine.decode import PlainDecoder
-from engine.messages import SamplingParams
+from engine.messages import GenerateRequest, SamplingParams
 from engine.spec.config import SpecConfig
 from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.self_spec import SelfSpecDecoder
@@ -41,7 +43,7 @@ def test_cuda_speculative_prefetch_keeps_greedy_exact(checkpoint, family: str, m
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_cuda_graphed_drafts_keep_greedy_exact(checkpoint, family: str) -> None:
-    """Every expert resident: one-token drafts (top-r included) replay CUDA graphs, verify runs eager."""
+    """Every expert resident: drafts (top-r included) and verify spans replay one-piece CUDA graphs."""
     target = load_cached(checkpoint(family), CUDA, all_resident=True)
     plain = bind(target)
     reference = generate(PlainDecoder(plain), plain, PROMPT, GREEDY).output_ids
@@ -51,4 +53,32 @@ def test_cuda_graphed_drafts_keep_greedy_exact(checkpoint, family: str) -> None:
         seq = generate(decoder, bound, PROMPT, GREEDY)
         assert seq.output_ids == reference
         assert_kv_matches_prefill(bound, seq.all_ids[:-1])
-    assert bound.graphs.graphs and draft.graphs.graphs, "the drafts were meant to replay graphs"
+    assert draft.graphs.graphs, "the drafts were meant to replay graphs"
+    assert any(key.tokens > 1 for key in bound.graphs.graphs), "the verify spans were meant to replay graphs"
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen3_moe"])
+@pytest.mark.parametrize("mode", ["self", "draft"])
+def test_cuda_piecewise_graphed_speculation_keeps_greedy_exact(checkpoint, family: str, mode: str) -> None:
+    """Experts offloaded, speculative prefetch on: drafts (with the predictor's hook) and verify
+    spans replay piecewise graphs, and the tokens are plain greedy's."""
+    common = dict(model=str(checkpoint(family)), device="cuda", dtype="float32", gpu_expert_budget="50%")
+    params = SamplingParams(max_tokens=60, temperature=0)
+    request = GenerateRequest("g", tuple(PROMPT), params)
+    plain = EngineCore(EngineConfig(**common, cuda_graphs=False))
+    reference = run_to_completion(plain, request).token_ids
+    plain.close()
+    core = EngineCore(EngineConfig(**common, spec=mode, spec_tokens=3,
+                                   draft=str(checkpoint("llama", seed=3)) if mode == "draft" else None))
+    try:
+        tokens = run_to_completion(core, request).token_ids
+        stats = core.runtime.generation_stats(ttft_seconds=None, tpot_seconds=None)
+        keys = list(core.runtime.target.graphs.graphs)
+        assert core.runtime.target.graphs.piecewise
+    finally:
+        core.close()
+    assert tokens == reference
+    assert any(key.tokens > 1 for key in keys), "verify spans were meant to replay graphs"
+    if mode == "self":
+        assert any(key.hook is not None and key.top_r is not None for key in keys), "drafts were meant to replay"
+    assert stats["prediction_accuracy"] is not None and stats["expert_misses"] > 0
