@@ -44,7 +44,7 @@ def _self_decoder(spec: SpecConfig, target: BoundModel, runner: CachedExpertRunn
     profile = SpecProfile(profile_drafting(Drafter(target, moe_top_r=spec.top_r), cfg.num_layers),
                           profile_expert_load(runner.layout.nbytes, target.device))
     cutoff = plan_cutoff(spec, cfg, cfg.num_layers, cfg.top_k - spec.top_r, runner.layout.nbytes,
-                         runner.cache.capacity * runner.layout.nbytes, profile)
+                         runner.cache.capacity, profile)
     log.info("SS-MoE self-draft: top-r=%d, prefetching the k-r extra experts of MoE layers < %d; profile %s",
              spec.top_r, cutoff, profile)
     return SelfSpecDecoder(target, spec, sink, cutoff, stats)
@@ -57,7 +57,6 @@ def _draft_decoder(spec: SpecConfig, target: BoundModel, draft: BoundModel, runn
         return DraftSpecDecoder(target, draft, spec, stats=stats)
     sink = WorkerPrefetch(runner.prefetch_worker(), lambda: runner.layer_runs, 0)
     profile = SpecProfile(profile_drafting(Drafter(draft), depth), profile_expert_load(runner.layout.nbytes, draft.device))
-    cutoff = plan_cutoff(spec, cfg, depth, cfg.top_k, runner.layout.nbytes,
-                         runner.cache.capacity * runner.layout.nbytes, profile)
+    cutoff = plan_cutoff(spec, cfg, depth, cfg.top_k, runner.layout.nbytes, runner.cache.capacity, profile)
     log.info("SP-MoE draft: cross-model prefetch for target MoE layers < %d; profile %s", cutoff, profile)
     return DraftSpecDecoder(target, draft, spec, sink, cutoff, stats)

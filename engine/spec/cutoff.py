@@ -7,9 +7,9 @@ during one draft phase, the cutoff is the largest L (a count: layers 0..L-1 are 
     memory:  sum_{l<L} n_l * expert_bytes <= free_bytes
     time:    sum_{l<L} n_l * t_load      <= gamma * draft_depth * t_comp
 
-free_bytes is what the expert cache can hold beyond what must stay resident (peak subtracted by
-the caller); gamma * draft_depth * t_comp is the length of the draft phase, so the copies are hidden
-behind drafting instead of stalling the verify pass.
+free_bytes is what the expert cache can hold beyond what must stay resident (the verify pass's
+peak, subtracted by profile.plan_cutoff); gamma * draft_depth * t_comp is the length of the draft
+phase, so the copies are hidden behind drafting instead of stalling the verify pass.
 """
 from __future__ import annotations
 

@@ -41,13 +41,21 @@ def profile_expert_load(expert_bytes: int, device: torch.device, repeats: int = 
     return median_seconds(lambda: dst.copy_(src, non_blocking=pin), device, repeats)
 
 
-def plan_cutoff(config: SpecConfig, target: ModelConfig, draft_depth: int, experts_per_layer: int,
-                expert_bytes: int, free_bytes: int, profile: SpecProfile) -> int:
-    """--spec-cutoff when given, else SP-MoE's bound with `experts_per_layer` prefetched per MoE layer
-    (k for a separate draft; k - r for self-drafting, whose r drafted experts are resident)."""
+def plan_cutoff(config: SpecConfig, target: ModelConfig, draft_depth: int, experts_per_token: int,
+                expert_bytes: int, cache_slots: int, profile: SpecProfile) -> int:
+    """--spec-cutoff when given, else SP-MoE's bound for our expert cache.
+
+    Per MoE layer a draft phase predicts `experts_per_token` experts for each of gamma drafted
+    tokens (k for a separate draft; k - r for self-drafting, whose r drafted experts are
+    resident): at most n = min(gamma * that, E) distinct ones. SP-MoE's memory constraint (peak
+    + prefetched <= GPU memory) becomes: prefetched <= the cache's slots minus the verify pass's
+    peak, the one layer it pins at a time, min((gamma + 1) * k, E) experts. Prefetching more than
+    that evicts experts the verify pass needs before it gets to them."""
     if config.cutoff is not None:
         return min(config.cutoff, target.num_moe_layers)
+    per_layer = min(config.gamma * experts_per_token, target.num_experts)
+    peak = min((config.gamma + 1) * target.top_k, target.num_experts)
     return choose_cutoff(CutoffInputs(
-        experts_per_layer=(min(experts_per_layer, target.num_experts),) * target.num_moe_layers,
-        expert_bytes=expert_bytes, free_bytes=free_bytes, t_comp=profile.t_comp, t_load=profile.t_load,
+        experts_per_layer=(per_layer,) * target.num_moe_layers, expert_bytes=expert_bytes,
+        free_bytes=max(0, cache_slots - peak) * expert_bytes, t_comp=profile.t_comp, t_load=profile.t_load,
         draft_depth=draft_depth, gamma=config.gamma))

@@ -68,7 +68,7 @@ def test_cuda_piecewise_graphed_speculation_keeps_greedy_exact(checkpoint, famil
     plain = EngineCore(EngineConfig(**common, cuda_graphs=False))
     reference = run_to_completion(plain, request).token_ids
     plain.close()
-    core = EngineCore(EngineConfig(**common, spec=mode, spec_tokens=3,
+    core = EngineCore(EngineConfig(**common, spec=mode, spec_tokens=3, spec_cutoff=99,
                                    draft=str(checkpoint("llama", seed=3)) if mode == "draft" else None))
     try:
         tokens = run_to_completion(core, request).token_ids

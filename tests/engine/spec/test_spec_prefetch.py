@@ -49,10 +49,20 @@ def test_plan_cutoff_prefers_the_override_and_otherwise_bounds_by_time(target: C
     config = target.config
     slow_loads = SpecProfile(t_comp=1e-3, t_load=1.0)
     fast_loads = SpecProfile(t_comp=1.0, t_load=1e-6)
-    free = 1 << 40
-    assert plan_cutoff(SpecConfig(cutoff=99), config, 3, config.top_k, 1, free, slow_loads) == config.num_moe_layers
-    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, free, slow_loads) == 0
-    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, free, fast_loads) == config.num_moe_layers
+    slots = 1 << 20
+    assert plan_cutoff(SpecConfig(cutoff=99), config, 3, config.top_k, 1, slots, slow_loads) == config.num_moe_layers
+    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, slots, slow_loads) == 0
+    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, slots, fast_loads) == config.num_moe_layers
+
+
+def test_plan_cutoff_keeps_the_verify_passs_peak_free(target: CausalLM) -> None:
+    """gamma = 2, k = 2: one verify layer pins min(6, E) slots; each layer prefetches min(4, E)."""
+    config = dataclasses.replace(target.config, num_experts=8, top_k=2)
+    fast_loads = SpecProfile(t_comp=1.0, t_load=1e-6)
+    spec = SpecConfig(gamma=2)
+    assert plan_cutoff(spec, config, 3, 2, 1, 6 + 3, fast_loads) == 0  # 3 free slots: not one layer's 4
+    assert plan_cutoff(spec, config, 3, 2, 1, 6 + 8, fast_loads) == min(2, config.num_moe_layers)
+    assert plan_cutoff(spec, config, 3, 1, 1, 6 + 8, fast_loads) == min(4, config.num_moe_layers)  # k - r = 1
 
 
 def test_adaptive_gamma_keeps_greedy_exact(target: CausalLM) -> None:
