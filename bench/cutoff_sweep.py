@@ -29,9 +29,6 @@ from bench.rows import RowResult, failed_row, guarded, time_engine_decode  # noq
 from engine.config import EngineConfig  # noqa: E402
 from engine.loader import read_config, resolve_dtype  # noqa: E402
 
-AUTO = "cutoff=auto"
-
-
 class ChosenCutoff(logging.Handler):
     """The cutoff the engine chose at start-up, read from the spec builder's one log line."""
 
@@ -47,9 +44,8 @@ class ChosenCutoff(logging.Handler):
 def verdict(rows: list[RowResult], num_moe_layers: int, auto_cutoff: int | None) -> dict:
     """U-shape: the best fixed cutoff lies strictly inside the measured range and both ends of that
     range are >= 5% slower than it."""
-    swept = {int(r.name.split("=")[1]): r.tpot_median_s for r in rows
-             if r.name != AUTO and r.tpot_median_s == r.tpot_median_s}
-    auto = next((r.tpot_median_s for r in rows if r.name == AUTO and r.tpot_median_s == r.tpot_median_s), None)
+    swept = {int(r.name.split("=")[1]): r.tpot_median_s for r in rows if r.tpot_median_s == r.tpot_median_s}
+    auto = swept.get(auto_cutoff)
     if not swept:
         return {}
     best = min(swept, key=swept.get)
@@ -110,24 +106,24 @@ def main(argv: list[str] | None = None) -> None:
               "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name()
               if device.type == "cuda" else "cpu", "versions": suite.versions(),
               "notes": args.note + setup.notes + ["cutoff c: target MoE layers 0..c-1 get cross-model prefetch while drafting",
-                                                  "one untimed engine run (automatic cutoff) warms the process up first"],
+                                                  "the automatic cutoff is read from one untimed engine, which also warms the process up; "
+                                                  "its TPOT is the swept row of the cutoff it chose"],
               "bandwidths": bw.as_dict(), "step_bytes": step.as_dict(), "build": setup.build, "rows": [], "ratios": {}}
-    # The process's first engine pays one-time costs that no later row pays (in one run the first
-    # row, auto = cutoff 0, had p90 169 ms against 55 ms for the identical cutoff=0 row after it).
+    # The automatic choice is a fixed cutoff once made: read it from an untimed engine, which also
+    # takes the process's one-time costs. (Timing it as a row of its own measured the same
+    # configuration twice: identical rows differed by up to 25%, the spread between runs.)
     time_engine_decode("process warm-up", base, setup.prompts[:1], args.warmup_tokens)
+    auto_cutoff = chosen.value
     free_device()
     rows: list[RowResult] = []
-    auto_cutoff = None
-    for cutoff in [None, *range(layers + 1)]:
-        name = AUTO if cutoff is None else f"cutoff={cutoff}"
+    for cutoff in range(layers + 1):
+        name = f"cutoff={cutoff}"
         config = replace(base, spec_cutoff=cutoff)
         if deadline - time.perf_counter() < args.min_row_s:
             rows.append(failed_row(name, {"skipped": "the call's deadline"}))
         else:
             guarded(rows, name, lambda: time_engine_decode(name, config, setup.prompts, args.tokens,
                                                            warmup_tokens=args.warmup_tokens, deadline=deadline - 10))
-        if cutoff is None:  # every later engine logs its fixed cutoff too
-            auto_cutoff = chosen.value
         free_device()
         suite.annotate(rows[-1], args.budget, step, bw)
         result["rows"] = [r.as_dict() for r in rows]

@@ -159,9 +159,8 @@ def time_engine_decode(name: str, config, prompts: list[list[int]], new_tokens: 
     try:
         _engine_generate(core, "warm-up", prompts[0], warmup_tokens or new_tokens)
         _check_started_in_time(deadline)
-        # Where a row's time went when it is off (rows have varied run to run at the same hit
-        # rate): this process's CPU seconds (all its threads, prefills included) and the host's load.
-        load, cpu_started = os.getloadavg()[0], time.process_time()
+        # rows have varied run to run at the same hit rate: was anything else running on the host?
+        load = os.getloadavg()[0]
         for i, prompt in enumerate(prompts):
             ttft, tpot, n, s = _engine_generate(core, f"bench-{i}", prompt, new_tokens)
             ttfts.append(ttft)
@@ -170,12 +169,11 @@ def time_engine_decode(name: str, config, prompts: list[list[int]], new_tokens: 
             decoded += n
             if _past(deadline):
                 break
-        cpu_seconds = time.process_time() - cpu_started
         settings = core.runtime.describe()
     finally:
         core.close()
-    extra = {**_engine_extra(stats, decoded), "host_cpu_s_per_token": cpu_seconds / max(decoded, 1),
-             "load_average_1m": load, "engine_build_seconds": build_seconds, "settings": settings}
+    extra = {**_engine_extra(stats, decoded), "load_average_1m": load, "engine_build_seconds": build_seconds,
+             "settings": settings}
     return _summary(name, tpots, ttfts, new_tokens * len(tpots), extra)
 
 

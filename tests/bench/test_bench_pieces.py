@@ -54,9 +54,11 @@ def _row(name: str, tpot: float) -> RowResult:
     ([1.0, 1.5, 2.0, 3.0], False, 0),
 ])
 def test_cutoff_verdict(tpots: list[float], u_shaped: bool, best: int) -> None:
-    rows = [_row("cutoff=auto", 1.05)] + [_row(f"cutoff={c}", t) for c, t in enumerate(tpots)]
-    v = verdict(rows, num_moe_layers=3, auto_cutoff=1)
+    rows = [_row(f"cutoff={c}", t) for c, t in enumerate(tpots)]
+    v = verdict(rows, num_moe_layers=3, auto_cutoff=best)
     assert (v["u_shaped"], v["best_cutoff"], v["auto_within_10pct"]) == (u_shaped, best, True)
+    v = verdict(rows, num_moe_layers=3, auto_cutoff=max(range(4), key=lambda c: tpots[c]))  # the worst
+    assert v["auto_within_10pct"] is False and v["auto_over_best"] == max(tpots) / min(tpots)
 
 
 def test_markdown_keeps_errors_and_skips_visible() -> None:
