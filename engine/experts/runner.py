@@ -5,8 +5,10 @@ the MRS scores and the guess back in ONE host sync. Misses that the cost model g
 (--cpu-experts) start on a CPU thread; the other experts are pinned (hits) or demand-copied and
 computed: one token by one gathered batched matmul after its copies landed, more tokens grouped
 by expert while the copies fly. Then the guess is prefetched and the CPU's sum added. If the
-layer needs more experts than the cache can hold at once (a long verify pass, a tiny budget) it
-runs in waves: fill, compute, unpin, refill. Neither caching nor the CPU changes the math.
+layer needs more experts than the cache can hold at once (a long prefill, a tiny budget) it runs
+in double-buffered waves. A span of many tokens streams (streaming.py): its guess is the next
+layer's whole ranking, so the next layer's copies fly while this one finishes. Neither caching,
+streaming nor the CPU changes the math.
 
 A short span (a decode token, a draft, a verify pass) replayed as piecewise CUDA graphs
 (engine/graphs.py) does the same host work between two graphs: `capturing` splits the capture at
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -40,6 +43,7 @@ from engine.experts.predictor import Guess, NextLayerPredictor, token_topk
 from engine.experts.prefetch import PrefetchWorker
 from engine.experts.routing import LayerRouting, resident_first
 from engine.experts.stats import StatsSnapshot
+from engine.experts.streaming import layer_waves, stream_guess, streams
 
 PREFETCH_MODES = ("none", "next-layer")
 
@@ -114,9 +118,11 @@ class CachedExpertRunner:
                  device: torch.device | str = "cpu", *, top_k: int, prefetch: str = "none",
                  prefetch_depth: int = 1, copy_fn: CopyFn = copy_row,
                  observer: RoutingObserver | None = None, cpu_experts: str = "off",
-                 cpu_costs: ExpertCosts | None = None) -> None:
+                 cpu_costs: ExpertCosts | None = None, stream_prefill: bool = True) -> None:
         """`budget`: bytes (int), fraction of all expert bytes (float) or None for all experts.
-        `cpu_costs` replaces the start-up profile of cpu_experts='auto' (tests)."""
+        `cpu_costs` replaces the start-up profile of cpu_experts='auto' (tests). `stream_prefill`:
+        long spans prefetch the next layer's whole guess and layers that overflow the cache run in
+        double-buffered waves (streaming.py); off only for A/B timings."""
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown prefetch mode {prefetch!r}; choose one of {', '.join(PREFETCH_MODES)}")
         if cpu_experts not in CPU_EXPERT_MODES:
@@ -129,6 +135,7 @@ class CachedExpertRunner:
         self._mrs_top_p = eviction.top_p if isinstance(eviction, MRSPolicy) else None
         self.cache = ExpertCache(store, budget, eviction, device, top_k, copy_fn)
         self.prefetch_mode = prefetch
+        self.stream_prefill = stream_prefill
         self._worker: PrefetchWorker | None = None  # speculative decoding's prefetches only
         self._observer = observer
         self._router_weights: list[torch.Tensor] = []
@@ -164,7 +171,8 @@ class CachedExpertRunner:
         if self.graph_safe and (x.shape[0] == 1 or _capturing(x)):
             return self._run_resident(x, routing)
         layer = routing.layer
-        guess = self._predictor.guess(layer, x) if self._predictor is not None else None
+        streamed = self._streams(layer, x.shape[0])
+        guess = self._guess(layer, x, streamed)
         read = self._read_back(routing, guess)
         back = self._draft_choice(layer, read)
         if back.ids != read.ids:
@@ -176,10 +184,25 @@ class CachedExpertRunner:
         job = self._start_cpu(x, routing, back) if self._cpu is not None else None
         on_gpu = back.experts if job is None else [e for e in back.experts if e not in job.experts]
         out = self._run_on_gpu(x, routing, back.ids, on_gpu)
-        if guess is not None:  # after this layer's compute is queued, so the GPU works meanwhile
+        # after this layer's compute is queued and its experts released, so the GPU works meanwhile
+        if streamed:
+            self.cache.prefetch(layer + 1, [e for e in back.ranked[0] if e >= 0])
+        elif guess is not None:
             for target, experts in self._predictor.remember(guess, back.ranked):
                 self.cache.prefetch(target, experts)
         return out if job is None else self._cpu.finish(job, out)
+
+    def _streams(self, layer: int, tokens: int) -> bool:
+        """Whether this run prefetches the next layer's whole guess (streaming.streams says when)."""
+        return (self.stream_prefill and self.cache.resident_slots is None and layer + 1 < len(self._router_weights)
+                and streams(tokens, self.top_k, self._num_experts))
+
+    def _guess(self, layer: int, x: torch.Tensor, streamed: bool) -> Guess | None:
+        """Launched before the layer's one sync, read back with it. A streamed span's guess is not the
+        predictor's: its accuracy counters describe the short spans the predictor serves."""
+        if streamed:
+            return stream_guess(x, self._router_weights[layer + 1], self.top_k, layer + 1, self.cache.capacity)
+        return self._predictor.guess(layer, x) if self._predictor is not None else None
 
     @property
     def layer_runs(self) -> int:
@@ -383,18 +406,14 @@ class CachedExpertRunner:
         """The sum over the token's `experts` (the ones not left to the CPU) from the GPU cache. [T, H]"""
         if not experts:
             return torch.zeros_like(x)
-        wave = self.cache.acquire(routing.layer, experts)
-        out = None if x.shape[0] == 1 and not wave.leftover else torch.zeros_like(x)  # [T, H]
-        while True:
-            try:
-                if out is None:
-                    return self._compute_gathered(x, routing, wave, ids[0])
+        with closing(layer_waves(self.cache, routing.layer, experts, double_buffer=self.stream_prefill)) as waves:
+            first = next(waves)
+            if x.shape[0] == 1 and len(first.keys) == len(experts):
+                return self._compute_gathered(x, routing, first, ids[0])
+            out = torch.zeros_like(x)  # [T, H]
+            for wave in chain([first], waves):
                 self._compute(out, x, routing, wave)
-            finally:
-                self.cache.release(wave)
-            if not wave.leftover:
-                return out
-            wave = self.cache.acquire(routing.layer, wave.leftover)
+        return out
 
     def _compute_gathered(self, x: torch.Tensor, routing: LayerRouting, wave: Wave, ids: list[int]) -> torch.Tensor:
         """One token whose GPU experts all fit in this wave: wait for its copies, then one gathered
