@@ -7,7 +7,11 @@ first on PYTHONPATH (this script then imports `engine` from there):
     python bench/offload_overhead.py profile --out P.json   # host time and the top kernels of one token
     python bench/offload_overhead.py ops --budget 100%      # which aten copies one static forward launches
     python bench/offload_overhead.py table B.json A.json
-The checkpoint is bench/olmoe_shape.py's (random weights, built once on the GPU).
+    python bench/offload_overhead.py prefill --expert-mb 352 --budget 25% --prompt-len 64 --out F.json
+The checkpoint is bench/olmoe_shape.py's (random weights, built once on the GPU); with --expert-mb
+it is the trained default model widened to experts of that size (bench/checkpoints.py), so 352
+is the default-mixtral table's model. `prefill` times TTFT with prefill streaming
+(engine/experts/streaming.py) off and on in one engine, against the PCIe floor of each prefill.
 """
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # appended: a PYTHONPATH engine tree wins
@@ -25,6 +31,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # appended: a PYTH
 import torch
 
 import engine  # before bench.olmoe_shape, which puts this tree first on sys.path
+from bench.floor import Bandwidths, measure_bandwidths
 from bench.olmoe_shape import OLMOE_SHAPE, build_checkpoint
 from bench.rows import guarded, seeded_prompts, time_engine_decode
 from engine.config import EngineConfig
@@ -116,6 +123,63 @@ def ops(args: argparse.Namespace) -> None:
     print("\n".join(f"{n:4d}  {name:16} {frame:45} {shapes}" for (name, frame, shapes), n in counts.most_common(40)))
 
 
+def prefill(args: argparse.Namespace) -> None:
+    """TTFT of one prefill (max_tokens=1) with streaming off and on, in one engine, each prompt once:
+    off and on take turns over distinct prompts, so neither starts from a cache that the same
+    prompt just filled. Each prefill's floor is the expert bytes it copied over the pinned
+    host->device bandwidth measured in this call; streaming works when its TTFT nears its floor.
+    The engine's prefetch mode is the first of --rows (default none: the on-demand LRU row)."""
+    from engine.core import EngineCore, run_to_completion
+    from engine.messages import GenerateRequest, SamplingParams
+
+    path = _checkpoint(args)
+    prompts = seeded_prompts(read_config(str(path)).vocab_size, 2 * args.prompts + 2, args.prompt_len)
+    core = EngineCore(replace(_config(args, args.rows.split(",")[0]), model=str(path)))
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    try:
+        runner = core.runtime.runner
+        bandwidths = measure_bandwidths(torch.device(args.device), runner.cache.layout.nbytes, d2d_bytes=2**24)
+        for i, prompt in enumerate(prompts):
+            runner.stream_prefill = stream = i % 2 == 1
+            core.runtime.reset_stats()
+            request = GenerateRequest(f"p{i}", tuple(prompt), SamplingParams(max_tokens=1, temperature=0))
+            done = run_to_completion(core, request)
+            if i >= 2:  # one untimed warm-up prefill per mode
+                runs[stream].append(core.runtime.generation_stats(ttft_seconds=done.ttft_seconds, tpot_seconds=None))
+        settings = core.runtime.describe()
+    finally:
+        core.close()
+    rows = {f"streaming {'on' if stream else 'off'}": _prefill_row(runs[stream], bandwidths) for stream in (False, True)}
+    for name, row in rows.items():
+        print(f"{name:14} " + " ".join(f"{k} {v:.4g}" for k, v in row.items()), flush=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "device": _device_name(args.device),
+                                          "bandwidths": bandwidths.as_dict(), "settings": settings,
+                                          "rows": rows}, indent=2))
+
+
+def _prefill_row(runs: list[dict], bandwidths: Bandwidths) -> dict:
+    """Medians over one mode's prefills; floor_ms: the copied expert bytes at the measured bandwidth."""
+    ttft_ms = statistics.median(r["ttft_seconds"] * 1e3 for r in runs)
+    floor_ms = statistics.median(r["pcie_bytes"] / bandwidths.h2d_bytes_per_s * 1e3 for r in runs)
+    medians = {name: statistics.median(r[key] * scale for r in runs) for name, key, scale in (
+        ("pcie_mb", "pcie_bytes", 1e-6), ("pcie_wait_ms", "pcie_wait_seconds", 1e3), ("misses", "expert_misses", 1),
+        ("prefetch_used", "prefetch_used", 1), ("prefetch_wasted", "prefetch_wasted", 1))}
+    return {"ttft_ms": ttft_ms, "floor_ms": floor_ms, "ttft_over_floor": ttft_ms / floor_ms if floor_ms else float("nan"),
+            **medians, "prefills": len(runs)}
+
+
+def _checkpoint(args: argparse.Namespace) -> Path:
+    """The OLMoE-shaped checkpoint, or with --expert-mb the trained default widened to that size."""
+    if args.expert_mb is None:
+        build_checkpoint(Path(args.checkpoint), OLMOE_SHAPE)
+        return Path(args.checkpoint)
+    from bench.checkpoints import expanded_default
+
+    root = Path(__file__).resolve().parent.parent
+    return Path(expanded_default(root / "models" / "default", Path(f"/tmp/default-{args.expert_mb:g}mb"),
+                                 args.expert_mb)["dst"])
+
+
 def _device_us(event) -> float:
     """An averaged profiler event's own device time in microseconds, across torch versions."""
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
@@ -139,11 +203,12 @@ def table(paths: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["rows", "profile", "ops", "table"])
+    parser.add_argument("mode", choices=["rows", "profile", "ops", "table", "prefill"])
     parser.add_argument("paths", nargs="*", help="table: result files")
     parser.add_argument("--label", default="ours")
     parser.add_argument("--rows", default="none", help="comma-separated prefetch modes, +cpu for --cpu-experts auto, +eager for no CUDA graphs")
     parser.add_argument("--checkpoint", default="/tmp/olmoe_shape")
+    parser.add_argument("--expert-mb", type=float, help="prefill: the trained default model with experts of this size")
     parser.add_argument("--device", default="cuda", help="cpu: smoke-test the script on a small checkpoint")
     parser.add_argument("--budget", default="3GiB")
     parser.add_argument("--prompts", type=int, default=4)
@@ -153,7 +218,8 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     print(f"engine from {engine.__file__}", flush=True)
-    {"rows": rows, "profile": profile, "ops": ops, "table": lambda a: table(a.paths)}[args.mode](args)
+    modes = {"rows": rows, "profile": profile, "ops": ops, "table": lambda a: table(a.paths), "prefill": prefill}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ the MRS scores and the guess back in ONE host sync. Misses that the cost model g
 (--cpu-experts) start on a CPU thread; the other experts are pinned (hits) or demand-copied and
 computed: one token by one gathered batched matmul after its copies landed, more tokens grouped
 by expert while the copies fly. Then the guess is prefetched and the CPU's sum added. If the
-layer needs more experts than the cache can hold at once (a long prefill, a tiny budget) it runs
-in double-buffered waves. A span of many tokens streams (streaming.py): its guess is the next
-layer's whole ranking, so the next layer's copies fly while this one finishes. Neither caching,
-streaming nor the CPU changes the math.
+layer needs more experts than the cache can hold at once (a long verify pass, a tiny budget) it
+runs in waves: fill, compute, unpin, refill. A span of many tokens streams (streaming.py): its
+guess is the next layer's whole ranking, so the next layer's copies fly while this one finishes,
+and its waves are double-buffered. Neither caching, streaming nor the CPU changes the math.
 
 A short span (a decode token, a draft, a verify pass) replayed as piecewise CUDA graphs
 (engine/graphs.py) does the same host work between two graphs: `capturing` splits the capture at
@@ -121,8 +121,8 @@ class CachedExpertRunner:
                  cpu_costs: ExpertCosts | None = None, stream_prefill: bool = True) -> None:
         """`budget`: bytes (int), fraction of all expert bytes (float) or None for all experts.
         `cpu_costs` replaces the start-up profile of cpu_experts='auto' (tests). `stream_prefill`:
-        long spans prefetch the next layer's whole guess and layers that overflow the cache run in
-        double-buffered waves (streaming.py); off only for A/B timings."""
+        long spans (streaming.streams) prefetch the next layer's whole guess and run layers that
+        overflow the cache in double-buffered waves; off only for A/B timings."""
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown prefetch mode {prefetch!r}; choose one of {', '.join(PREFETCH_MODES)}")
         if cpu_experts not in CPU_EXPERT_MODES:
@@ -171,7 +171,7 @@ class CachedExpertRunner:
         if self.graph_safe and (x.shape[0] == 1 or _capturing(x)):
             return self._run_resident(x, routing)
         layer = routing.layer
-        streamed = self._streams(layer, x.shape[0])
+        streamed = self.stream_prefill and streams(x.shape[0], self.top_k, self._num_experts)
         guess = self._guess(layer, x, streamed)
         read = self._read_back(routing, guess)
         back = self._draft_choice(layer, read)
@@ -183,26 +183,23 @@ class CachedExpertRunner:
             self._observer.on_layer(routing, self._next_guess(layer, x, guess))
         job = self._start_cpu(x, routing, back) if self._cpu is not None else None
         on_gpu = back.experts if job is None else [e for e in back.experts if e not in job.experts]
-        out = self._run_on_gpu(x, routing, back.ids, on_gpu)
+        out = self._run_on_gpu(x, routing, back.ids, on_gpu, double_buffer=streamed)
         # after this layer's compute is queued and its experts released, so the GPU works meanwhile
-        if streamed:
+        if streamed and guess is not None:
             self.cache.prefetch(layer + 1, [e for e in back.ranked[0] if e >= 0])
         elif guess is not None:
             for target, experts in self._predictor.remember(guess, back.ranked):
                 self.cache.prefetch(target, experts)
         return out if job is None else self._cpu.finish(job, out)
 
-    def _streams(self, layer: int, tokens: int) -> bool:
-        """Whether this run prefetches the next layer's whole guess (streaming.streams says when)."""
-        return (self.stream_prefill and self.cache.resident_slots is None and layer + 1 < len(self._router_weights)
-                and streams(tokens, self.top_k, self._num_experts))
-
     def _guess(self, layer: int, x: torch.Tensor, streamed: bool) -> Guess | None:
-        """Launched before the layer's one sync, read back with it. A streamed span's guess is not the
-        predictor's: its accuracy counters describe the short spans the predictor serves."""
-        if streamed:
+        """Launched before the layer's one sync, read back with it. A streamed span guesses the next
+        layer's whole ranking, not the predictor's few: its accuracy counters describe short spans."""
+        if not streamed:
+            return self._predictor.guess(layer, x) if self._predictor is not None else None
+        if self.cache.resident_slots is None and layer + 1 < len(self._router_weights):
             return stream_guess(x, self._router_weights[layer + 1], self.top_k, layer + 1, self.cache.capacity)
-        return self._predictor.guess(layer, x) if self._predictor is not None else None
+        return None
 
     @property
     def layer_runs(self) -> int:
@@ -402,11 +399,11 @@ class CachedExpertRunner:
         return job
 
     def _run_on_gpu(self, x: torch.Tensor, routing: LayerRouting, ids: list[list[int]],
-                    experts: list[int]) -> torch.Tensor:
+                    experts: list[int], *, double_buffer: bool) -> torch.Tensor:
         """The sum over the token's `experts` (the ones not left to the CPU) from the GPU cache. [T, H]"""
         if not experts:
             return torch.zeros_like(x)
-        with closing(layer_waves(self.cache, routing.layer, experts, double_buffer=self.stream_prefill)) as waves:
+        with closing(layer_waves(self.cache, routing.layer, experts, double_buffer=double_buffer)) as waves:
             first = next(waves)
             if x.shape[0] == 1 and len(first.keys) == len(experts):
                 return self._compute_gathered(x, routing, first, ids[0])
