@@ -10,6 +10,10 @@ bandwidth. Two things keep the link busy between and within layers:
     prefetches them, so they fly during this layer's tail compute, the next layer's attention and
     its routing read-back. Copies into the slots just released wait for the compute reading them
     (cache.py's write-after-read markers); pinned and in-flight slots are never victims (slots.py).
+    After the release rather than before the compute: the whole cache, this layer's slots too, is
+    open to the next layer, and the host gets there right after this layer's last copy landed
+    (grouped compute reads its routing back once that copy is waited for), so the link idles for
+    about one host round trip per layer.
   * within a layer that needs more experts than the cache holds: waves of half the cache, each
     acquired (its demand copies started) before the one before it computes, so wave i+1's copies
     fly while wave i computes: double buffering.
@@ -26,7 +30,7 @@ from engine.experts.predictor import Guess, rank_by_impact, token_topk
 
 
 def streams(tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether a span of `tokens` streams the next layer's guessed experts in.
+    """Whether a span of `tokens` streams: prefetches the next layer's guess, double-buffers waves.
 
     When its tokens pick every expert twice over on average (T·k ≥ 2E), uniform routing already
     needs 1 - (1 - k/E)^T ≥ 1 - e^-2 ≈ 86% of the next layer's experts, so prefetching all the
