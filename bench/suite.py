@@ -116,7 +116,8 @@ def default_setup(args: argparse.Namespace, table: str) -> Setup:
 
 def plan_rows(setup: Setup, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[PlannedRow]:
     base = EngineConfig(model=str(setup.target), device=device.type, dtype=args.dtype,
-                        max_model_len=args.max_model_len, draft=str(setup.draft) if setup.draft else None)
+                        max_model_len=args.max_model_len, draft=str(setup.draft) if setup.draft else None,
+                        spec_tokens=args.spec_tokens)
     tokens, prompts = args.tokens, setup.prompts
 
     def engine(name: str, config: EngineConfig) -> Callable[[float], RowResult]:
@@ -211,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--accelerate-tokens", type=int, default=8)
     parser.add_argument("--deadline-s", type=float, default=540.0, help="wall clock for the whole call")
     parser.add_argument("--min-row-s", type=float, default=30.0, help="skip a row with less time than this left")
+    parser.add_argument("--spec-tokens", type=int, default=EngineConfig.spec_tokens,
+                        help="gamma of the speculative rows (the engine's default unless given)")
     parser.add_argument("--rows", type=lambda s: s.split(","), default=None, help="only rows whose name contains one of these")
     parser.add_argument("--note", action="append", default=[], help="a line for the table's notes (e.g. the commit)")
     return parser.parse_args(argv)
