@@ -14,7 +14,7 @@ import argparse
 import logging
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -35,10 +35,12 @@ class ChosenCutoff(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
         self.value: int | None = None
+        self.profile: dict | None = None  # the start-up t_comp / t_load it was computed from
 
     def emit(self, record: logging.LogRecord) -> None:
         if record.getMessage().startswith("SP-MoE draft: cross-model prefetch"):
             self.value = int(record.args[0])
+            self.profile = asdict(record.args[1])
 
 
 def verdict(rows: list[RowResult], num_moe_layers: int, auto_cutoff: int | None) -> dict:
@@ -72,6 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft", default=str(suite.REPO / "models" / "default-draft"))
     parser.add_argument("--budget", default="25%")
     parser.add_argument("--cache-policy", default="mrs")
+    parser.add_argument("--spec-tokens", type=int, default=EngineConfig.spec_tokens, help="gamma")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     step = step_bytes(setup.target, dtype, context_tokens=args.prompt_len + args.tokens / 2)
     bw = measure_bandwidths(device, h2d_bytes=step.expert_bytes)
     base = EngineConfig(model=str(setup.target), device=device.type, dtype=args.dtype, max_model_len=args.max_model_len,
-                        draft=args.draft, spec="draft", gpu_expert_budget=args.budget, cache_policy=args.cache_policy)
+                        draft=args.draft, spec="draft", gpu_expert_budget=args.budget, cache_policy=args.cache_policy,
+                        spec_tokens=args.spec_tokens)
     chosen = ChosenCutoff()
     logging.getLogger("engine.spec.builder").addHandler(chosen)
     logging.getLogger("engine.spec.builder").setLevel(logging.INFO)
@@ -114,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     # configuration twice: identical rows differed by up to 25%, the spread between runs.)
     time_engine_decode("process warm-up", base, setup.prompts[:1], args.warmup_tokens)
     auto_cutoff = chosen.value
+    result["auto_profile"] = chosen.profile
     free_device()
     rows: list[RowResult] = []
     for cutoff in range(layers + 1):
