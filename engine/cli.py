@@ -29,7 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-routing", default=None, metavar="FILE", help="write routing decisions as JSONL")
     parser.add_argument("--spec", default="off", choices=["off", "self", "draft"])
     parser.add_argument("--draft", default=None, help="dense draft checkpoint for --spec draft")
-    parser.add_argument("--spec-tokens", type=int, default=4, help="max draft tokens per verify (gamma)")
+    parser.add_argument("--spec-tokens", type=int, default=EngineConfig.spec_tokens,
+                        help="max draft tokens per verify (gamma)")
     parser.add_argument("--spec-top-r", type=int, default=1, help="experts per layer the self-draft uses")
     parser.add_argument("--spec-confidence", type=float, default=0.0, help="stop drafting below this max-prob")
     parser.add_argument("--spec-cutoff", type=int, default=None,

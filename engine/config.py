@@ -43,7 +43,7 @@ class EngineConfig:
     record_routing: str | None = None
     spec: str = "off"  # off | self | draft
     draft: str | None = None
-    spec_tokens: int = 4
+    spec_tokens: int = 8  # gamma: 8 beat 4 in both default-model tables (bench/results, README)
     spec_top_r: int = 1
     spec_confidence: float = 0.0
     spec_cutoff: int | None = None

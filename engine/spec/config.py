@@ -8,7 +8,7 @@ from engine.config import EngineConfig
 
 @dataclass(frozen=True)
 class SpecConfig:
-    gamma: int = 4  # most tokens drafted per verify pass
+    gamma: int = 8  # most tokens drafted per verify pass (EngineConfig.spec_tokens)
     top_r: int = 1  # experts per MoE layer the self-draft routes to (SS-MoE r)
     confidence: float = 0.0  # tau: stop drafting once the draft's max probability falls below it
     cutoff: int | None = None  # leading target MoE layers to prefetch while drafting; None: profiled
