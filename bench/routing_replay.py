@@ -10,7 +10,7 @@ expert slots per MoE layer. Writes routing_replay.json and routing_replay.md.
 
 A second table asks what speculative decoding can save in expert copies at all: the decode
 steps merged n at a time into one layer run (a verify pass of n tokens, all n - 1 drafts
-accepted: its best case), replayed under LRU. Expert loads per generated token below plain
+accepted: its best case), replayed under each policy. Expert loads per generated token below plain
 decoding's (n = 1) are the only way a verify pass saves PCIe bytes.
 """
 from __future__ import annotations
@@ -73,10 +73,10 @@ def as_row(r: Result, num_layers: int) -> dict:
             "predictor_accuracy": t.predictor_accuracy if r.predictor != "none" else None}
 
 
-def verify_rows(trace_path: Path, max_tokens: int, slots_per_layer: list[int]) -> list[dict]:
+def verify_rows(trace_path: Path, pass_sizes: list[int], slots_per_layer: list[int]) -> list[dict]:
     """Per verify-pass size n, cache size and policy: distinct experts per layer run, loads per token."""
     rows = []
-    for n in range(1, max_tokens + 1):
+    for n in sorted({1, *pass_sizes}):  # n = 1, plain decoding, is what the others are compared with
         trace = load_trace(trace_path, verify_tokens=n)
         for result in replay(trace, [s * trace.num_layers for s in slots_per_layer], POLICY_NAMES, ["none"]):
             rows.append({"tokens_per_pass": n, "slots_per_layer": result.capacity // trace.num_layers,
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--slots-per-layer", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 6])
-    parser.add_argument("--verify-tokens", type=int, default=5, help="largest verify pass of the second table")
+    parser.add_argument("--verify-tokens", type=lambda s: [int(v) for v in s.split(",")], default=[2, 3, 5, 9, 13, 17],
+                        help="verify pass sizes of the second table (gamma + 1; gamma = 4, 8, 12, 16 among them)")
     parser.add_argument("--no-record", action="store_true", help="replay an existing --trace")
     args = parser.parse_args(argv)
     if not args.no_record:
