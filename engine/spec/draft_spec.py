@@ -37,7 +37,7 @@ class DraftSpecDecoder(SpecDecoder):
         draft_config: ModelConfig = draft.model.config
         check_draft(target_config, draft_config)
         predictor = None
-        if prefetch is not None and target_config.is_moe:
+        if prefetch is not None and target_config.is_moe and cutoff != 0:  # cutoff 0: plain SD
             predictor = _cross_model_predictor(target, draft_config, prefetch, cutoff)
         hook = None if predictor is None else predictor.on_draft_attention
         super().__init__(target, Drafter(draft, on_attention_output=hook), config, predictor, stats)

@@ -32,7 +32,7 @@ class SelfSpecDecoder(SpecDecoder):
             raise ValueError(f"--spec-top-r {config.top_r} must be below the model's top_k {model_config.top_k}: "
                              "a draft with every expert costs as much as the verify pass")
         predictor = None
-        if prefetch is not None:
+        if prefetch is not None and cutoff != 0:  # cutoff 0: nothing to predict, so no hook at all
             depth = model_config.num_layers  # the draft is the target: the map is the identity
             predictor = CrossModelPredictor(target.model, layer_map(depth, depth, model_config.moe_layers, cutoff),
                                             prefetch)

@@ -126,6 +126,18 @@ def test_cutoff_limits_the_prefetched_layers(target: CausalLM, draft: CausalLM) 
     assert all(len(experts) == target.config.top_k for _, experts in sink.tasks)
 
 
+@pytest.mark.parametrize("mode", ["self", "draft"])
+def test_cutoff_zero_is_plain_speculation(target: CausalLM, draft: CausalLM, mode: str) -> None:
+    """No layer to predict: no hook in the drafts, no prefetch task, no accuracy counters."""
+    sink = RecordingSink()
+    bound = bind(target)
+    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3, top_r=1), prefetch=sink, cutoff=0) if mode == "self"
+               else DraftSpecDecoder(bound, bind(draft), SpecConfig(gamma=3), prefetch=sink, cutoff=0))
+    assert decoder.predictor is None and "on_attention_output" not in decoder.drafter.forward_kwargs
+    assert generate(decoder, bound, PROMPT, GREEDY).output_ids == plain_tokens(target, GREEDY)
+    assert sink.tasks == []
+
+
 def test_hidden_size_mismatch_turns_cross_prediction_off(target: CausalLM, draft: CausalLM,
                                                          caplog: pytest.LogCaptureFixture) -> None:
     narrow = CausalLM(dataclasses.replace(draft.config, hidden_size=32), None)
