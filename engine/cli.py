@@ -40,7 +40,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spec-adaptive-accept", type=float, default=None, metavar="T",
                         help="LOSSY SS-MoE adaptive acceptance with tolerance T (off: lossless)")
     parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
-                        help="replay one-token decode steps as CUDA graphs when every expert is resident")
+                        help="replay decode, draft and verify forwards (up to 16 tokens) as CUDA graphs")
     parser.add_argument("--trust-remote-code", action="store_true")
 
 

@@ -49,5 +49,5 @@ class EngineConfig:
     spec_cutoff: int | None = None
     spec_adaptive_accept: float | None = None  # SS-MoE tolerance T: lossy, opt-in only
     spec_adaptive_tokens: bool = False  # per-request gamma from recent acceptance
-    cuda_graphs: bool = True  # replay one-token decode steps as CUDA graphs when nothing needs the host
+    cuda_graphs: bool = True  # replay short forwards (decode, draft, verify) as CUDA graphs (engine/graphs.py)
     trust_remote_code: bool = False

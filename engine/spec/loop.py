@@ -45,7 +45,7 @@ class Drafter:
 
     def __init__(self, model: BoundModel, **forward_kwargs) -> None:
         self.model = model
-        # unset options stay out: BoundModel replays CUDA graphs only for plain one-token calls
+        # unset options stay out of every call (and of BoundModel's CUDA-graph keys)
         self.forward_kwargs = {k: v for k, v in forward_kwargs.items() if v is not None}
 
     @property
