@@ -6,6 +6,12 @@ drives the very same table with a recorded trace.
 A slot is evictable only when it is resident, unpinned (no compute is about to read it) and not
 in flight (its copy may still be writing). When nothing is evictable the table says so by
 placing fewer keys than asked; it never waits.
+
+A prefetch never evicts an open prediction: an expert prefetched, not used yet, whose layer has
+not run since. Both are guesses of what a coming layer run needs, and the open one was made
+first, for a layer that runs sooner (SP-MoE's draft phase predicts every drafted token's
+experts, layer by layer, for one verify pass). Demand copies may evict it, and once its layer
+has run without it, it was a wrong guess and any copy may.
 """
 from __future__ import annotations
 
@@ -52,6 +58,7 @@ class SlotTable:
         self._pins: dict[Key, int] = {}
         self._in_flight: set[Key] = set()
         self._unused_prefetch: set[Key] = set()
+        self._open_predictions: set[Key] = set()  # prefetched, unused, its layer has not run since
         self._evictable: set[Key] = set()  # resident, unpinned, landed: kept up to date, not recomputed
 
     def __len__(self) -> int:
@@ -102,6 +109,7 @@ class SlotTable:
     def use(self, key: Key) -> bool:
         """Compute is about to read `key`; True when this is the first use of a prefetched expert."""
         self.policy.touch(key)
+        self._open_predictions.discard(key)
         if key in self._unused_prefetch:
             self._unused_prefetch.remove(key)
             return True
@@ -122,7 +130,8 @@ class SlotTable:
             if key in self._slot:
                 raise ValueError(f"{key} is already resident in slot {self._slot[key]}")
         shortfall = len(keys) - len(self._free)
-        victims = self.policy.victims(self.evictable(), shortfall) if shortfall > 0 else []
+        candidates = self._evictable - self._open_predictions if prefetched else self._evictable
+        victims = self.policy.victims(candidates, shortfall) if shortfall > 0 else []
         evictions = [self._evict(v) for v in victims]
         n = min(len(keys), len(self._free))
         placed = [(key, self._occupy(key, pin=pin, prefetched=prefetched)) for key in keys[:n]]
@@ -130,6 +139,9 @@ class SlotTable:
 
     def plan_wave(self, keys: Sequence[Key]) -> WavePlan:
         """Pin the resident keys (hits) and place as many of the others as the table allows."""
+        if keys:  # the layer runs: its open predictions it does not ask for were wrong
+            layer, wanted = keys[0][0], set(keys)
+            self._open_predictions = {k for k in self._open_predictions if k[0] != layer or k in wanted}
         hits = [k for k in keys if k in self._slot]
         for key in hits:
             self.pin(key)
@@ -152,6 +164,7 @@ class SlotTable:
             self._pins[key] = 1
         if prefetched:
             self._unused_prefetch.add(key)
+            self._open_predictions.add(key)
         self.policy.admit(key)
         return slot
 
@@ -160,6 +173,7 @@ class SlotTable:
         self._free.append(slot)
         wasted = key in self._unused_prefetch
         self._unused_prefetch.discard(key)
+        self._open_predictions.discard(key)
         self._evictable.discard(key)
         self.policy.evicted(key)
         return Eviction(key=key, slot=slot, wasted_prefetch=wasted)

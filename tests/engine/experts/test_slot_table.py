@@ -129,3 +129,20 @@ def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> No
 def _should_be_evictable(table: SlotTable) -> set[tuple[int, int]]:
     return {(0, e) for e in range(6)
             if (0, e) in table and not table.is_pinned((0, e)) and not table.is_in_flight((0, e))}
+
+
+def test_a_prefetch_never_evicts_an_open_prediction() -> None:
+    """Prefetched and unused, its layer not yet run: other prefetches leave it, a demand copy
+    may take it, and once its layer ran without it any copy may."""
+    table = SlotTable(2, LRUPolicy())
+    for key in ((0, 1), (1, 1)):  # predictions for layers 0 and 1, both landed
+        table.place([key], pin=False, prefetched=True)
+        table.complete(key)
+    dropped = table.place([(1, 2)], pin=False, prefetched=True)
+    assert dropped.placed == [] and dropped.unplaced == [(1, 2)]
+    plan = table.plan_wave([(0, 3)])  # layer 0 runs without (0, 1): that guess was wrong
+    assert [e.key for e in plan.misses.evictions] == [(0, 1)] and plan.misses.evictions[0].wasted_prefetch
+    table.unpin((0, 3))
+    table.complete((0, 3))
+    later = table.place([(1, 2)], pin=False, prefetched=True)  # (1, 1) is still open: (0, 3) goes
+    assert [e.key for e in later.evictions] == [(0, 3)]
