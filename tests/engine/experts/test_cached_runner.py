@@ -5,6 +5,7 @@ import threading
 
 import pytest
 import torch
+from runner_harness import drive, router_weights
 
 from engine.config import EngineConfig
 from engine.experts.cache import copy_row
@@ -14,35 +15,15 @@ from engine.experts.runner import CachedExpertRunner, layer_scores
 TOP_K = 2
 
 
-def _router_weights(store, seed: int = 1) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(store.num_experts, store.layout.hidden_size, generator=gen, dtype=torch.float64)
-            for _ in range(store.num_layers)]
-
-
-def _drive(runner, store, make_routing, reference, steps: int, tokens: int, seed: int = 0) -> int:
-    """Run `steps` forwards over every layer, compare with the reference; return expert accesses."""
-    gen = torch.Generator().manual_seed(seed)
-    accesses = 0
-    for _ in range(steps):
-        for layer in range(store.num_layers):
-            x = torch.randn(tokens, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
-            routing = make_routing(layer, tokens, store.num_experts, TOP_K, gen)
-            torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
-            accesses += routing.expert_ids.unique().numel()
-        runner.finish_step()
-    return accesses
-
-
 @pytest.mark.parametrize("policy", ["lru", "lfu", "mrs"])
 @pytest.mark.parametrize("prefetch", ["none", "next-layer"])
 @pytest.mark.parametrize("slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
 def test_output_equals_all_experts_reference(store, make_routing, reference, policy, prefetch, slots, tokens) -> None:
     runner = CachedExpertRunner(store, slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
                                 prefetch=prefetch, prefetch_depth=2)
-    runner.set_router_weights(_router_weights(store))
+    runner.set_router_weights(router_weights(store))
     try:
-        accesses = _drive(runner, store, make_routing, reference, steps=4, tokens=tokens)
+        accesses = drive(runner, store, make_routing, reference, steps=4, tokens=tokens, top_k=TOP_K)
     finally:
         runner.close()
     total = runner.stats().total()
@@ -82,7 +63,7 @@ def test_repeated_routing_hits_and_counts_wait_time(store, make_routing) -> None
 
 
 def test_next_layer_prefetch_turns_misses_into_hits(store, make_routing) -> None:
-    weights = _router_weights(store)
+    weights = router_weights(store)
     copied_on: set[str] = set()
 
     def copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from runner_harness import drive
 
 from engine.config import EngineConfig
 from engine.experts.cpu_experts import ExpertCosts, choose_cpu_experts, profile_costs
@@ -26,16 +27,6 @@ def test_cpu_takes_the_least_loaded_misses_while_that_shortens_the_layer() -> No
     assert choose_cpu_experts({1: 4, 3: 2}, ALL_ON_CPU) == [3, 1]
 
 
-def _drive(runner: CachedExpertRunner, store, make_routing, reference, tokens: int, steps: int = 3) -> None:
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        for layer in range(store.num_layers):
-            x = torch.randn(tokens, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
-            routing = make_routing(layer, tokens, store.num_experts, TOP_K, gen)
-            torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
-        runner.finish_step()
-
-
 @pytest.mark.parametrize("policy,prefetch", [("lru", "none"), ("mrs", "next-layer")])
 @pytest.mark.parametrize("slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
 def test_output_equals_reference_with_some_misses_on_the_cpu(store, make_routing, reference, policy, prefetch,
@@ -45,7 +36,7 @@ def test_output_equals_reference_with_some_misses_on_the_cpu(store, make_routing
     runner.set_router_weights([torch.randn(store.num_experts, store.layout.hidden_size, dtype=torch.float64)
                                for _ in range(store.num_layers)])
     try:
-        _drive(runner, store, make_routing, reference, tokens)
+        drive(runner, store, make_routing, reference, steps=3, tokens=tokens, top_k=TOP_K)
     finally:
         runner.close()
     total = runner.stats().total()
@@ -58,7 +49,7 @@ def test_all_misses_on_the_cpu_copy_nothing(store, make_routing, reference) -> N
     runner = CachedExpertRunner(store, 4 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, cpu_experts="auto",
                                 cpu_costs=ALL_ON_CPU)
     try:
-        _drive(runner, store, make_routing, reference, tokens=1)
+        drive(runner, store, make_routing, reference, steps=3, tokens=1, top_k=TOP_K)
     finally:
         runner.close()
     total = runner.stats().total()
@@ -74,7 +65,7 @@ def test_profiled_costs_are_measured_and_drive_auto(store, make_routing, referen
                                             top_k=TOP_K)
     try:
         assert runner.cpu_costs is not None
-        _drive(runner, store, make_routing, reference, tokens=2, steps=1)
+        drive(runner, store, make_routing, reference, steps=1, tokens=2, top_k=TOP_K)
     finally:
         runner.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runner_harness import drive, router_weights
 
 from engine.experts import runner as runner_module
 from engine.experts.cache import copy_row
@@ -18,12 +19,6 @@ from engine.experts.streaming import streams
 
 TOP_K = 2
 TOKENS = 16  # T·k = 32 ≥ 2E = 16 for the 8-expert test store: streamed
-
-
-def _router_weights(store, seed: int = 1) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(store.num_experts, store.layout.hidden_size, generator=gen, dtype=torch.float64)
-            for _ in range(store.num_layers)]
 
 
 def _routed_by(weights: torch.Tensor, layer: int, x: torch.Tensor) -> LayerRouting:
@@ -74,17 +69,9 @@ def test_streamed_forward_equals_all_experts_reference(store, make_routing, refe
     double-buffered waves of one expert; 32 slots hold every expert (nothing to stream)."""
     runner = CachedExpertRunner(store, slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K, prefetch=prefetch,
                                 stream_prefill=stream)
-    runner.set_router_weights(_router_weights(store))
-    gen = torch.Generator().manual_seed(7)
-    accesses = 0
+    runner.set_router_weights(router_weights(store))
     try:
-        for _ in range(3):
-            for layer in range(store.num_layers):
-                x = torch.randn(TOKENS, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
-                routing = make_routing(layer, TOKENS, store.num_experts, TOP_K, gen)
-                torch.testing.assert_close(runner.run(x, routing), reference(store, x, routing), rtol=0, atol=1e-12)
-                accesses += routing.expert_ids.unique().numel()
-            runner.finish_step()
+        accesses = drive(runner, store, make_routing, reference, steps=3, tokens=TOKENS, top_k=TOP_K, seed=7)
     finally:
         runner.close()
     total = runner.stats().total()
@@ -106,7 +93,7 @@ def test_streamed_forward_equals_all_experts_reference(store, make_routing, refe
 
 def test_next_layer_copies_are_issued_after_the_layers_compute_and_before_the_next_read_back(
         store, monkeypatch) -> None:
-    weights = _router_weights(store)
+    weights = router_weights(store)
     log = _Log(store, monkeypatch)
     runner = CachedExpertRunner(store, 12 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, copy_fn=log.copy)
     runner.set_router_weights(weights)
@@ -130,7 +117,7 @@ def test_next_layer_copies_are_issued_after_the_layers_compute_and_before_the_ne
 
 def test_a_short_span_does_not_stream(store, make_routing, monkeypatch) -> None:
     runner = CachedExpertRunner(store, 12 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
-    runner.set_router_weights(_router_weights(store))
+    runner.set_router_weights(router_weights(store))
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(7, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # T·k = 14 < 2E
     try:
