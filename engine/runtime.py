@@ -135,7 +135,7 @@ class Runtime:
 
 
 def _graphs(config: EngineConfig, model, kv: KVCache, runner: CachedExpertRunner | None) -> GraphedDecode | None:
-    """CUDA graphs for one-token steps: whole when nothing in a step needs the host, piecewise
+    """CUDA graphs for short forwards (decode, draft, verify): whole when nothing needs the host, piecewise
     around each MoE layer's cache decision when experts are offloaded."""
     if not (config.cuda_graphs and kv.keys.is_cuda and model.supports_static_forward):
         return None

@@ -219,7 +219,7 @@ class CachedExpertRunner:
 
     @property
     def graph_safe(self) -> bool:
-        """Every expert resident and no per-layer observer: one-token layers need no host sync."""
+        """Every expert resident and no per-layer observer: an eager token or a captured span needs no host sync."""
         return self.cache.resident_slots is not None and self._observer is None
 
     def _run_resident(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
