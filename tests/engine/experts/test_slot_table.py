@@ -102,21 +102,30 @@ def test_drop_frees_the_slot_without_an_eviction() -> None:
 @given(st.lists(st.tuples(st.sampled_from(["place", "pin", "unpin", "complete", "prefetch"]),
                           st.integers(0, 5)), max_size=60))
 def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> None:
-    """Whatever happens, victims are only unpinned landed residents, and LRU evicts the oldest."""
+    """Whatever happens, victims are only unpinned landed residents, LRU evicts the oldest, and a
+    prefetch passes over open predictions (prefetched, not used since)."""
     table = SlotTable(3, LRUPolicy())
     last_use: dict[tuple[int, int], int] = {}
+    open_predictions: set[tuple[int, int]] = set()
     for clock, (op, e) in enumerate(ops):
         key = (0, e)
         resident, pinned, flying = key in table, table.is_pinned(key), table.is_in_flight(key)
         if op in ("place", "prefetch") and not resident:
-            expected_victim = min((k for k in _should_be_evictable(table)), key=last_use.get, default=None)
+            candidates = _should_be_evictable(table)
+            if op == "prefetch":
+                candidates -= open_predictions
+            expected_victim = min(candidates, key=last_use.get, default=None)
             placement = table.place([key], pin=op == "place", prefetched=op == "prefetch")
             for eviction in placement.evictions:
                 assert eviction.key == expected_victim
+                open_predictions.discard(eviction.key)
+            if op == "prefetch" and placement.placed:
+                open_predictions.add(key)
             last_use[key] = clock
         elif op == "pin" and resident:
             table.use(key)
             table.pin(key)
+            open_predictions.discard(key)
             last_use[key] = clock
         elif op == "unpin" and pinned:
             table.unpin(key)
