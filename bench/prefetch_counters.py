@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.prompts import heldout_prompts  # noqa: E402
-from bench.rows import _engine_generate  # noqa: E402
+from bench.rows import engine_generate  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 
@@ -32,7 +32,7 @@ def counters(config: EngineConfig, prompts: list[list[int]], tokens: int) -> dic
     totals = {"expert_hits": 0, "expert_misses": 0, "prefetch_used": 0, "prefetch_wasted": 0}
     try:
         for i, prompt in enumerate(prompts):
-            stats = _engine_generate(core, f"p{i}", prompt, tokens)[3]
+            stats = engine_generate(core, f"p{i}", prompt, tokens).stats
             for key in totals:
                 totals[key] += stats[key]
     finally:

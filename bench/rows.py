@@ -108,27 +108,39 @@ def time_hf_decode(name: str, model, prompts: list[list[int]], new_tokens: int, 
     return _summary(name, tpots, ttfts, new_tokens * len(tpots), {"decode_tokens_per_prompt": new_tokens - 1})
 
 
-def _engine_generate(core, request_id: str, prompt: list[int], new_tokens: int) -> tuple[float, float, int, dict]:
-    """(TTFT, TPOT, decoded tokens, decode-window stats) of one request through EngineCore."""
+@dataclass(frozen=True)
+class Generation:
+    """One greedy request through EngineCore, timed."""
+
+    ttft_s: float
+    tpot_s: float
+    decoded: int  # tokens after the first
+    stats: dict  # the engine's counters over the decode window
+    tokens: tuple[int, ...]
+
+
+def engine_generate(core, request_id: str, prompt: list[int], new_tokens: int) -> Generation:
     from engine.messages import GenerateRequest, SamplingParams
 
     core.add_request(GenerateRequest(request_id, tuple(prompt), SamplingParams(max_tokens=new_tokens, temperature=0.0)))
     ttft = first_at = None
-    produced = after_first = 0
+    tokens: list[int] = []
+    after_first = 0
     while core.has_unfinished():
         for out in core.step():
             if out.error:
                 raise RuntimeError(out.error)
-            produced += len(out.new_token_ids)
+            tokens += out.new_token_ids
             if first_at is None and out.new_token_ids:
-                first_at, ttft, after_first = time.perf_counter(), out.first_token_seconds, produced
+                first_at, ttft, after_first = time.perf_counter(), out.first_token_seconds, len(tokens)
                 core.runtime.reset_stats()  # the window is the decode alone
-    decoded = produced - after_first
+    decoded = len(tokens) - after_first
     tpot = (time.perf_counter() - first_at) / decoded
-    return ttft, tpot, decoded, core.runtime.generation_stats(ttft_seconds=ttft, tpot_seconds=tpot)
+    stats = core.runtime.generation_stats(ttft_seconds=ttft, tpot_seconds=tpot)
+    return Generation(ttft, tpot, decoded, stats, tuple(tokens))
 
 
-def _engine_extra(stats: list[dict], decoded: int) -> dict:
+def engine_extra(stats: list[dict], decoded: int) -> dict:
     """Decode-window counters summed over the timed prompts, per decoded token."""
     hits = sum(s["expert_hits"] for s in stats)
     accesses = hits + sum(s["expert_misses"] for s in stats)
@@ -157,22 +169,22 @@ def time_engine_decode(name: str, config, prompts: list[list[int]], new_tokens: 
     build_seconds = time.perf_counter() - started
     tpots, ttfts, stats, decoded = [], [], [], 0
     try:
-        _engine_generate(core, "warm-up", prompts[0], warmup_tokens or new_tokens)
+        engine_generate(core, "warm-up", prompts[0], warmup_tokens or new_tokens)
         _check_started_in_time(deadline)
         # rows have varied run to run at the same hit rate: was anything else running on the host?
         load = os.getloadavg()[0]
         for i, prompt in enumerate(prompts):
-            ttft, tpot, n, s = _engine_generate(core, f"bench-{i}", prompt, new_tokens)
-            ttfts.append(ttft)
-            tpots.append(tpot)
-            stats.append(s)
-            decoded += n
+            run = engine_generate(core, f"bench-{i}", prompt, new_tokens)
+            ttfts.append(run.ttft_s)
+            tpots.append(run.tpot_s)
+            stats.append(run.stats)
+            decoded += run.decoded
             if _past(deadline):
                 break
         settings = core.runtime.describe()
     finally:
         core.close()
-    extra = {**_engine_extra(stats, decoded), "load_average_1m": load, "engine_build_seconds": build_seconds,
+    extra = {**engine_extra(stats, decoded), "load_average_1m": load, "engine_build_seconds": build_seconds,
              "settings": settings}
     return _summary(name, tpots, ttfts, new_tokens * len(tpots), extra)
 
