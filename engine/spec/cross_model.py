@@ -17,7 +17,7 @@ just ran (resident), which leaves SS-MoE's incremental loads of the others.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -31,8 +31,9 @@ RouteFn = Callable[[int, torch.Tensor], torch.Tensor]  # (target MoE layer, h [T
 
 
 class PrefetchSink(Protocol):
-    def submit(self, layer: int, experts: torch.Tensor) -> None:
-        """Queue experts [m] (int64, any device, most important first) of target MoE layer `layer`."""
+    def submit(self, layers: Sequence[int], experts: torch.Tensor) -> None:
+        """Queue experts [M, m] (int64, any device): row i, most important first, for target MoE
+        layer layers[i]. One call per drafted token."""
         ...
 
 
@@ -52,7 +53,9 @@ class WorkerPrefetch:
     """Hands predictions to the PrefetchWorker without synchronising the compute stream.
 
     The expert ids stay on the device; a non-blocking copy to pinned host memory and an event
-    recorded after it let the worker (not compute) wait for them (Algorithm 1, lines 7-8).
+    recorded after it let the worker (not compute) wait for them (Algorithm 1, lines 7-8): one
+    copy and one event per drafted token, shared by its layers' tasks, since drafting steps are
+    short and the compute thread launches them.
     `progress()` counts MoE layer runs started (the runner's clock). A task for MoE layer m is
     stale once the verify pass has started m, i.e. after at most `lead_runs` more drafting runs
     (0 for a dense draft; gamma * MoE layers bounds a self-draft) plus m + 1 verify runs.
@@ -61,15 +64,17 @@ class WorkerPrefetch:
     def __init__(self, worker: PrefetchWorker, progress: Callable[[], int], lead_runs: int) -> None:
         self.worker, self.progress, self.lead_runs = worker, progress, lead_runs
 
-    def submit(self, layer: int, experts: torch.Tensor) -> None:
+    def submit(self, layers: Sequence[int], experts: torch.Tensor) -> None:
         ready = None
         if experts.is_cuda:
-            host = experts.to("cpu", non_blocking=True)  # [m]
+            host = experts.to("cpu", non_blocking=True)  # [M, m]
             ready = torch.cuda.Event()
             ready.record()
         else:
-            host = experts.clone()  # [m] the caller may reuse its tensor
-        self.worker.submit(PrefetchTask(layer, host, ready, self.progress() + self.lead_runs + layer + 1))
+            host = experts.clone()  # [M, m] the caller may reuse its tensor
+        now = self.progress() + self.lead_runs
+        for layer, row in zip(layers, host, strict=True):
+            self.worker.submit(PrefetchTask(layer, row, ready, now + layer + 1))
 
 
 class CrossModelPredictor:
@@ -77,10 +82,10 @@ class CrossModelPredictor:
         """draft_to_target[d]: target MoE layers predicted at drafting layer d (layer_map.layer_map)."""
         self.route, self.draft_to_target, self.sink = target_router(target), draft_to_target, sink
         self.runner = target.runner
-        predicted_layers = sorted({m for layers in draft_to_target for m in layers})
-        self._row = {moe_layer: i for i, moe_layer in enumerate(predicted_layers)}
+        self._layers = sorted({m for layers in draft_to_target for m in layers})  # MoE layers, one row each
+        self._row = {moe_layer: i for i, moe_layer in enumerate(self._layers)}
         # the latest drafted token's top-k per predicted MoE layer: a fixed address a graph writes
-        self._latest = torch.zeros(len(predicted_layers), target.config.top_k, dtype=torch.long,
+        self._latest = torch.zeros(len(self._layers), target.config.top_k, dtype=torch.long,
                                    device=target.device)  # [M, k]
         self.predicted: dict[int, list[torch.Tensor]] = defaultdict(list)  # MoE layer -> [k] ids per drafted token
         self.needed: dict[int, set[int]] = {}  # MoE layer -> experts the verify pass ran
@@ -92,11 +97,11 @@ class CrossModelPredictor:
             self._latest[self._row[moe_layer]].copy_(self.route(moe_layer, h[-1:])[0])
 
     def after_draft_token(self) -> None:
-        """After each drafting forward: its predictions become prefetch tasks, layer by layer."""
+        """After each drafting forward: its predictions become prefetch tasks, in one hand-over."""
         latest = self._latest.clone()  # [M, k] the next drafting forward rewrites _latest
         for moe_layer, row in self._row.items():
             self.predicted[moe_layer].append(latest[row])
-            self.sink.submit(moe_layer, latest[row])
+        self.sink.submit(self._layers, latest)
 
     @contextmanager
     def verifying(self) -> Iterator[None]:

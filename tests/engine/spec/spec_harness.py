@@ -102,5 +102,5 @@ class RecordingSink:
     def __init__(self) -> None:
         self.tasks: list[tuple[int, list[int]]] = []
 
-    def submit(self, layer: int, experts: torch.Tensor) -> None:
-        self.tasks.append((layer, experts.tolist()))
+    def submit(self, layers: list[int], experts: torch.Tensor) -> None:
+        self.tasks += [(layer, row) for layer, row in zip(layers, experts.tolist(), strict=True)]

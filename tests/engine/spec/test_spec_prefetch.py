@@ -4,12 +4,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from spec_harness import CPU, bind, generate, generate_with_worker_prefetch
 
 from engine.decode import PlainDecoder
+from engine.experts.prefetch import PrefetchTask
 from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
 from engine.spec.config import SpecConfig
+from engine.spec.cross_model import WorkerPrefetch
 from engine.spec.loop import Drafter
 from engine.spec.profile import (
     SpecProfile,
@@ -34,6 +37,23 @@ def test_speculative_prefetch_fills_the_cache_without_changing_tokens(target: Ca
     seq, _, prefetched = generate_with_worker_prefetch(target, draft if mode == "draft" else None, PROMPT, GREEDY)
     assert seq.output_ids == plain_tokens(target, GREEDY)
     assert prefetched > 0
+
+
+def test_one_hand_over_per_drafted_token_becomes_one_task_per_layer() -> None:
+    """Row i goes to layers[i], due when the verify pass (after lead_runs drafting runs) starts it."""
+
+    class Queue:
+        def __init__(self) -> None:
+            self.tasks: list[PrefetchTask] = []
+
+        def submit(self, task: PrefetchTask) -> None:
+            self.tasks.append(task)
+
+    queue = Queue()
+    experts = torch.tensor([[3, 1], [0, 7]])
+    WorkerPrefetch(queue, progress=lambda: 10, lead_runs=4).submit([0, 2], experts)
+    experts.fill_(-1)  # the caller reuses its buffer: the tasks hold their own copy
+    assert [(t.layer, t.experts.tolist(), t.due) for t in queue.tasks] == [(0, [3, 1], 15), (2, [0, 7], 17)]
 
 
 def test_profile_measures_and_leaves_the_drafter_as_it_was(draft: CausalLM) -> None:
