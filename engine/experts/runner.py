@@ -83,6 +83,7 @@ class CapturedLayer:
     num_candidates: int  # a self-draft's top-k it picks them from (0: not a draft)
     readback: torch.Tensor  # flat, as _pack makes it
     index: torch.Tensor  # [2, T, k] int64: the slot of each expert a token runs, then its expert id
+    staging: torch.Tensor  # index's host side, pinned on CUDA: rewritten only after the next read-back's sync
     guess: Guess | None
 
     @property
@@ -271,8 +272,10 @@ class CachedExpertRunner:
         # host-written between replays; zeroed in this segment, i.e. before the host writes it,
         # so that where "capture" runs eagerly (CPU tests) the experts below read valid slots
         index = torch.zeros((2, *routing.expert_ids.shape), dtype=torch.long, device=x.device)
+        staging = torch.empty(index.shape, dtype=torch.long, pin_memory=x.is_cuda)
         num_candidates = 0 if routing.candidates is None else routing.candidates.shape[1]
-        layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index, guess))
+        layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index,
+                                    staging, guess))
         split()
         weights = routing.expert_weights if routing.candidates is None else routing.reweighted(index[1])
         return gathered_experts(x, weights, self.cache.slots, index[0], self.layout)
@@ -290,8 +293,11 @@ class CachedExpertRunner:
         self._record(layer, back)
         wave = self.cache.acquire(layer, back.experts, whole=True)
         self.cache.wait_pending(wave)
-        index = torch.tensor([[[wave.slots[e] for e in row] for row in back.ids], back.ids])  # [2, T, k]
-        captured.index.copy_(index.pin_memory() if captured.index.is_cuda else index, non_blocking=True)
+        # The read-back above synchronised the stream after the previous replay's copy from the
+        # staging buffer, so it may be rewritten; a fixed pinned buffer spares an allocation per layer.
+        flat = [e for row in back.ids for e in row]
+        captured.staging.numpy().reshape(-1)[:] = [wave.slots[e] for e in flat] + flat
+        captured.index.copy_(captured.staging, non_blocking=True)
         prefetches = self._predictor.remember(captured.guess, back.ranked) if captured.guess is not None else []
         self._held = _Held(wave, prefetches)
 
