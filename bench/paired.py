@@ -73,7 +73,10 @@ def parse_arm(spec: str, base: EngineConfig) -> Arm:
     return Arm(spec if overrides else matches[0].name, config)
 
 
-def _value(text: str) -> int | float | str:
+def _value(text: str) -> bool | int | float | str | None:
+    named = {"true": True, "false": False, "none": None}
+    if text.lower() in named:
+        return named[text.lower()]
     for kind in (int, float):
         try:
             return kind(text)

@@ -36,6 +36,8 @@ def test_an_arm_is_a_suite_row_with_overrides() -> None:
     assert (arm.config.spec, arm.config.spec_cutoff, arm.config.cache_policy) == ("draft", 2, "lru")
     assert arm.config.gpu_expert_budget == "50%"
     assert paired.parse_arm("plain SD", base).config.spec_cutoff == 0
+    adaptive = paired.parse_arm("plain SD@spec_adaptive_tokens=true,spec_cutoff=none", base).config
+    assert adaptive.spec_adaptive_tokens is True and adaptive.spec_cutoff is None
     with pytest.raises(SystemExit, match="exactly one"):
         paired.parse_arm("+", base)  # many rows contain '+'
     with pytest.raises(SystemExit, match="no field"):
