@@ -27,12 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.prompts import heldout_prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.decode import BoundModel, PlainDecoder  # noqa: E402
-from engine.experts.policies import POLICY_NAMES  # noqa: E402
 from engine.experts.runner import CachedExpertRunner  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.loader import load_model, read_config  # noqa: E402
 from engine.messages import GenerateRequest, SamplingParams  # noqa: E402
-from engine.replay import PREDICTORS, Result, load_trace, replay  # noqa: E402
+from engine.replay import PREDICTORS, REPLAY_POLICIES, Result, load_trace, replay  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
 from engine.trace import RoutingRecorder  # noqa: E402
 
@@ -78,7 +77,7 @@ def verify_rows(trace_path: Path, pass_sizes: list[int], slots_per_layer: list[i
     rows = []
     for n in sorted({1, *pass_sizes}):  # n = 1, plain decoding, is what the others are compared with
         trace = load_trace(trace_path, verify_tokens=n)
-        for result in replay(trace, [s * trace.num_layers for s in slots_per_layer], POLICY_NAMES, ["none"]):
+        for result in replay(trace, [s * trace.num_layers for s in slots_per_layer], REPLAY_POLICIES, ["none"]):
             rows.append({"tokens_per_pass": n, "slots_per_layer": result.capacity // trace.num_layers,
                          "policy": result.policy,
                          "experts_per_layer_run": sum(len(r.experts) for r in trace.runs) / len(trace.runs),
@@ -125,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_record:
         record(args.model, heldout_prompts(args.model, args.prompts, args.prompt_len), args.tokens, Path(args.trace))
     trace = load_trace(args.trace)
-    results = replay(trace, [s * trace.num_layers for s in args.slots_per_layer], POLICY_NAMES, PREDICTORS)
+    results = replay(trace, [s * trace.num_layers for s in args.slots_per_layer], REPLAY_POLICIES, PREDICTORS)
     config = read_config(args.model)
     result = {
         "title": f"Routing-trace replay: default model, {args.prompts} held-out prompts x {args.tokens} tokens",

@@ -10,9 +10,9 @@ One device call per table (bandwidths are measured in the same call as the rows 
 Rows (bs=1 greedy, untimed warm-up, median and p90 over prompts): transformers eager all-GPU and
 accelerate offload (olmoe-shape only), ours all-GPU, then per expert budget the offloaded stack
 on-demand LRU -> + next-layer prefetch -> + MRS, then MRS without next-layer prefetch and on it
-each of: CPU compute of missed experts, SS-MoE self-draft, SP-MoE external draft with its
-cross-model (SD-aware) prefetch. The floor of each
-row is bench/floor.py's. Writes <table>.json/.md/.png under --out after every row.
+CPU compute of missed experts; then the speculative rows under the engine's default policy for
+them (next-use): SS-MoE self-draft, an external draft without prefetch, SP-MoE's external draft
+with its cross-model (SD-aware) prefetch. The floor of each row is bench/floor.py's. Writes <table>.json/.md/.png under --out after every row.
 """
 from __future__ import annotations
 
@@ -55,19 +55,20 @@ MRS_ALONE = "MRS, no next-layer prefetch"
 CPU_EXPERTS = "+ CPU experts (HybriMoE)"
 
 # The first three rows add one thing each to the one above. Next-layer prefetch loses in every
-# table so far (README), so the rest start again from MRS without it (its routing-replay numbers
-# win at every cache size), each adding its own mechanism: CPU compute of missed experts, SS-MoE
-# self-draft with its k - r prefetch, an external draft without prefetch (SP-MoE's baseline), and
-# SP-MoE's external draft with cross-model (SD-aware) prefetch.
+# table so far (README), so the next two start again from MRS without it (its routing-replay
+# numbers win at every cache size) and add CPU compute of missed experts. The speculative rows run
+# the policy the engine picks for them (cache_policy auto: next-use), each adding its own
+# mechanism: SS-MoE self-draft with its k - r prefetch, an external draft without prefetch
+# (SP-MoE's baseline), and SP-MoE's external draft with cross-model (SD-aware) prefetch.
 OFFLOAD_STACK = (
     StackRow(LRU, dict(cache_policy="lru")),
     StackRow("+ next-layer prefetch", dict(cache_policy="lru", prefetch="next-layer")),
     StackRow("+ MRS", dict(cache_policy="mrs", prefetch="next-layer")),
     StackRow(MRS_ALONE, dict(cache_policy="mrs")),
     StackRow(CPU_EXPERTS, dict(cache_policy="mrs", cpu_experts="auto")),
-    StackRow(SPEC_ROWS[0], dict(cache_policy="mrs", spec="self")),
-    StackRow(SPEC_ROWS[1], dict(cache_policy="mrs", spec="draft", spec_cutoff=0)),  # SP-MoE's baseline
-    StackRow(SPEC_ROWS[2], dict(cache_policy="mrs", spec="draft")),
+    StackRow(SPEC_ROWS[0], dict(cache_policy="auto", spec="self")),
+    StackRow(SPEC_ROWS[1], dict(cache_policy="auto", spec="draft", spec_cutoff=0)),  # SP-MoE's baseline
+    StackRow(SPEC_ROWS[2], dict(cache_policy="auto", spec="draft")),
 )
 
 
@@ -233,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
         else "cpu", "versions": versions(), "notes": args.note + setup.notes + [
             "floor = max(HBM bytes of one decode step / measured d2d bandwidth, the row's PCIe bytes per token "
             "/ measured pinned h2d bandwidth); TPOT and counters cover the decode after the first token",
-            "the rows below '+ MRS' start again from MRS without next-layer prefetch; each one after it adds "
+            "the rows below '+ MRS' start again from MRS without next-layer prefetch (the speculative ones: "
+            "from the engine's policy for speculative decoding, next-use); each one after it adds "
             "one mechanism to that row, not to the rows above"],
         "bandwidths": bw.as_dict(), "step_bytes": step.as_dict(), "build": setup.build, "rows": [], "ratios": {}}
     rows: list[RowResult] = []

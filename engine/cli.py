@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.experts.policies import POLICY_NAMES
 from engine.messages import GenerateRequest, SamplingParams
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
@@ -19,7 +20,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--gpu-expert-budget", default=None,
                         help="expert cache size: bytes (3GiB, 512MB) or a fraction of all expert bytes (25%%, 0.25)")
-    parser.add_argument("--cache-policy", default="lru", choices=["lru", "lfu", "mrs"])
+    parser.add_argument("--cache-policy", default="auto", choices=["auto", *POLICY_NAMES],
+                        help="expert eviction; auto: next-use with --spec self|draft, else lru")
     parser.add_argument("--prefetch", default="none", choices=["none", "next-layer"])
     parser.add_argument("--prefetch-depth", type=int, default=1, help="layers ahead the next-layer predictor looks")
     parser.add_argument("--cpu-experts", default="off", choices=["off", "auto"],

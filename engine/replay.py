@@ -7,10 +7,15 @@ Each layer run follows the live CachedExpertRunner: MRS sees the run's scores, t
 pins hits and places misses, the next-layer predictor's guess for layer + 1 is prefetched, the
 wave is released, further waves follow. One simplification: a prefetch lands at once, where
 the live worker copies it while the layer computes.
+
+Besides the live policies the replay knows `opt`, Belady's offline optimum: it evicts the
+resident expert whose next use in the trace is furthest away. No server can run it (it reads the
+future); it bounds what any eviction policy could reach on the trace.
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import json
 import sys
@@ -20,11 +25,12 @@ from dataclasses import asdict, dataclass
 from itertools import groupby
 from pathlib import Path
 
-from engine.experts.policies import POLICY_NAMES, Key, make_policy
+from engine.experts.policies import POLICY_NAMES, EvictionPolicy, Key, LRUPolicy, make_policy
 from engine.experts.slots import SlotTable
 from engine.experts.stats import ExpertStats, LayerStats
 
 PREDICTORS = ("none", "next-layer")
+REPLAY_POLICIES = (*POLICY_NAMES, "opt")
 
 
 @dataclass(frozen=True)
@@ -106,12 +112,40 @@ def _accumulate(into: dict[int, float], experts: Iterable[int], probs: Iterable[
         into[e] = into.get(e, 0.0) + p
 
 
+class OfflineOptimum(LRUPolicy):
+    """Belady: evict the candidate whose next use in the trace comes last (never used again: first)."""
+
+    def __init__(self, runs: Sequence[LayerRun]) -> None:
+        super().__init__()
+        self.position = -1  # index of the run being replayed
+        self._uses: dict[Key, list[int]] = {}  # key -> indices of the runs that need it, ascending
+        for i, run in enumerate(runs):
+            for e in run.experts:
+                self._uses.setdefault((run.layer, e), []).append(i)
+
+    def victims(self, candidates, n: int) -> list[Key]:
+        return heapq.nlargest(n, candidates, key=self._next_use)
+
+    def _next_use(self, key: Key) -> float:
+        uses = self._uses.get(key, [])
+        i = bisect.bisect_right(uses, self.position)
+        return uses[i] if i < len(uses) else float("inf")
+
+
+def _policy(name: str, trace: Trace) -> EvictionPolicy:
+    if name == "opt":
+        return OfflineOptimum(trace.runs)
+    return make_policy(name, top_k=trace.top_p // 2 or 1, num_layers=trace.num_layers)
+
+
 def simulate(trace: Trace, capacity: int, policy: str, predictor: str) -> ExpertStats:
     """Counters (bytes counted in experts) of the live cache on this trace, prefetches landing at once."""
-    table = SlotTable(capacity, make_policy(policy, top_k=trace.top_p // 2 or 1))
+    table = SlotTable(capacity, _policy(policy, trace))
     stats = ExpertStats(trace.num_layers)
     guesses: dict[int, list[int]] = {}
-    for run in trace.runs:
+    for position, run in enumerate(trace.runs):
+        if isinstance(table.policy, OfflineOptimum):
+            table.policy.position = position
         table.policy.observe_scores(run.layer, [run.scores.get(e, 0.0) for e in range(trace.num_experts)])
         if run.layer in guesses:
             hit = len(set(guesses.pop(run.layer)).intersection(run.experts))
@@ -193,8 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     size = parser.add_mutually_exclusive_group(required=True)
     size.add_argument("--slots-per-layer", type=_int_list, help="cache sizes as slots per MoE layer, e.g. 2,4,6")
     size.add_argument("--budget-experts", type=_int_list, help="cache sizes in experts, e.g. 64,128")
-    parser.add_argument("--policies", type=_names(POLICY_NAMES), default=list(POLICY_NAMES),
-                        help=f"comma-separated, from {','.join(POLICY_NAMES)} (default: all)")
+    parser.add_argument("--policies", type=_names(REPLAY_POLICIES), default=list(REPLAY_POLICIES),
+                        help=f"comma-separated, from {','.join(REPLAY_POLICIES)} (default: all)")
     parser.add_argument("--predictors", type=_names(PREDICTORS), default=list(PREDICTORS),
                         help=f"comma-separated, from {','.join(PREDICTORS)} (default: all)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -5,6 +5,12 @@ same objects, so a hit rate measured by replay is the hit rate the server would 
 
 LFU and MRS rank candidates by a tuple whose last element is the last-use stamp, so their ties
 fall back to LRU (temporal locality dominates MoE routing, see the EBCO report).
+
+Next-use estimates when each candidate is needed again from the order a forward runs the MoE
+layers in (0, 1, ..., L-1, then 0 again), which LRU ignores: an expert of the layer after the
+current one is needed within one layer run if it is routed to again; one of the layer that just
+ran waits a whole forward. When a forward needs more experts than the cache holds (a verify pass
+over many tokens) LRU evicts exactly the experts that come next and hits ~0%; next-use keeps them.
 """
 from __future__ import annotations
 
@@ -15,10 +21,13 @@ from typing import Protocol
 
 Key = tuple[int, int]  # (moe layer, expert id)
 
-POLICY_NAMES = ("lru", "lfu", "mrs")
+POLICY_NAMES = ("lru", "lfu", "mrs", "next-use")
 
 
 class EvictionPolicy(Protocol):
+    def begin_run(self, layer: int) -> None:
+        """A run of MoE layer `layer` asks for its experts (once per wave)."""
+
     def admit(self, key: Key) -> None:
         """`key` became resident (demand copy or prefetch)."""
 
@@ -42,6 +51,9 @@ class LRUPolicy:
         self._clock = 0
         self._stamp: dict[Key, int] = {}
         self._recency: OrderedDict[Key, None] = OrderedDict()  # resident keys, least recent first
+
+    def begin_run(self, layer: int) -> None:
+        pass  # recency only
 
     def admit(self, key: Key) -> None:
         self._bump(key)
@@ -129,8 +141,57 @@ class MRSPolicy(_RankedPolicy):
         return (self.score(key), self._stamp.get(key, 0))
 
 
-def make_policy(name: str, top_k: int) -> EvictionPolicy:
-    """Policy by name; `top_k` (experts per token) sets MRS's p = 2 * top_k."""
+class NextUsePolicy(_RankedPolicy):
+    """Evicts the expert estimated to be needed again last (Belady's rule, estimated online).
+
+    Estimate for (layer l, expert e) while layer m runs: the layer runs until l runs again,
+    (l - m) mod L, or L for l = m, plus L for every whole forward since e was last used there,
+    the reuse distance LRU also bets on. A forward's experts all count as just used, so among
+    them the layer that ran longest ago is kept and the one that just ran goes first; an expert
+    idle for forwards goes before both. Ties -> LRU.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        if num_layers < 1:
+            raise ValueError(f"next-use needs num_layers >= 1, got {num_layers}")
+        super().__init__()
+        self.num_layers = num_layers
+        self._layer = -1  # the layer running now; before any run, layer 0 comes next
+        self._runs = 0  # layer runs begun
+        self._last_run: dict[Key, int] = {}  # the run in which each key was last used or admitted
+
+    def begin_run(self, layer: int) -> None:
+        if layer != self._layer:  # further waves of the same run are not a new run
+            self._runs += 1
+            self._layer = layer
+
+    def admit(self, key: Key) -> None:
+        self._last_run[key] = self._runs
+        super().admit(key)
+
+    def touch(self, key: Key) -> None:
+        self._last_run[key] = self._runs
+        super().touch(key)
+
+    def evicted(self, key: Key) -> None:
+        self._last_run.pop(key, None)
+        super().evicted(key)
+
+    def runs_until_needed(self, key: Key) -> int:
+        layers = self.num_layers
+        until_layer = (key[0] - self._layer - 1) % layers + 1  # 1 for the next layer, L for this one
+        idle_forwards = (self._runs - self._last_run.get(key, self._runs)) // layers
+        return until_layer + layers * idle_forwards
+
+    def _rank(self, key: Key) -> tuple:
+        return (-self.runs_until_needed(key), self._stamp.get(key, 0))
+
+
+def make_policy(name: str, top_k: int, num_layers: int) -> EvictionPolicy:
+    """Policy by name; `top_k` (experts per token) sets MRS's p = 2 * top_k; `num_layers` (MoE
+    layers a forward runs) is next-use's cycle."""
+    if name == "next-use":
+        return NextUsePolicy(num_layers)
     if name == "lru":
         return LRUPolicy()
     if name == "lfu":

@@ -51,7 +51,8 @@ def greedy(config: EngineConfig) -> tuple[list[int], dict]:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-@pytest.mark.parametrize("policy,prefetch", [("lru", "none"), ("lfu", "next-layer"), ("mrs", "none"), ("mrs", "next-layer")])
+@pytest.mark.parametrize("policy,prefetch", [("lru", "none"), ("lfu", "next-layer"), ("mrs", "none"), ("mrs", "next-layer"),
+                                             ("next-use", "none")])
 def test_offloaded_greedy_equals_transformers(checkpoints, device, family, policy, prefetch):
     config = EngineConfig(model=checkpoints[family], device=device, dtype="float32", gpu_expert_budget="40%",
                           cache_policy=policy, prefetch=prefetch)

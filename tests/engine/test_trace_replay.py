@@ -41,6 +41,17 @@ def test_lru_hit_rates_match_a_hand_computation(tmp_path: Path, capsys: pytest.C
     assert results[0]["demand_experts"] == 5
 
 
+def test_a_cyclic_scan_beats_lru_and_next_use_matches_the_optimum(tmp_path: Path) -> None:
+    """Three layers, one expert each per forward, two slots: LRU evicts what comes next and never
+    hits; next-use evicts the layer that just ran, which is what Belady's optimum does here."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(_line(step, layer, [0]) for step in range(4) for layer in range(3)) + "\n")
+    loaded = load_trace(trace)
+    misses = {policy: simulate(loaded, capacity=2, policy=policy, predictor="none").snapshot().total().misses
+              for policy in ("lru", "next-use", "opt")}
+    assert misses == {"lru": 12, "next-use": 7, "opt": 7}  # 3 cold misses, then every other run hits
+
+
 def test_verify_windows_merge_decode_steps_and_drop_prefills(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     prefill = [json.dumps({**json.loads(_line(0, layer, [7])), "pos": pos}) for pos in range(3) for layer in (0, 1)]
@@ -76,11 +87,11 @@ def test_cli_prints_a_table_per_slots_per_layer(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "engine.replay", str(trace), "--slots-per-layer", "1,2"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].split()[:4] == ["policy", "predictor", "slots", "hit"]
-    assert len(out) == 1 + 2 * 3 * 2  # capacities x policies x predictors
+    assert len(out) == 1 + 2 * 5 * 2  # capacities x policies (opt included) x predictors
     assert {line.split()[2] for line in out[1:]} == {"2", "4"}  # slots per layer x 2 layers
 
 
-@pytest.mark.parametrize("policy", ["lru", "mrs"])
+@pytest.mark.parametrize("policy", ["lru", "mrs", "next-use"])
 def test_replay_of_a_recorded_live_run_reproduces_its_counters(tmp_path: Path, policy: str) -> None:
     layers, experts, hidden, top_k = 3, 8, 8, 2
     layout = ExpertLayout(hidden_size=hidden, intermediate_size=4, dtype=torch.float32)

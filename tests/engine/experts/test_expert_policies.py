@@ -1,9 +1,9 @@
-"""Victim order of LRU, LFU and MRS on hand-made access sequences."""
+"""Victim order of LRU, LFU, MRS and next-use on hand-made access sequences."""
 from __future__ import annotations
 
 import pytest
 
-from engine.experts.policies import LFUPolicy, LRUPolicy, MRSPolicy, make_policy
+from engine.experts.policies import LFUPolicy, LRUPolicy, MRSPolicy, NextUsePolicy, make_policy
 
 A, B, C, D = (0, 0), (0, 1), (0, 2), (0, 3)
 
@@ -54,10 +54,53 @@ def test_mrs_layers_are_independent_and_ties_fall_back_to_lru() -> None:
     assert policy.victims([(0, 1), (0, 0), (1, 1), (1, 0)], 4) == [(1, 1), (0, 0), (0, 1), (1, 0)]
 
 
+def _run(policy: NextUsePolicy, layer: int, *experts: int) -> None:
+    policy.begin_run(layer)
+    for e in experts:
+        policy.touch((layer, e))
+
+
+def test_next_use_keeps_the_layers_that_run_next() -> None:
+    """Three layers, each run used two experts: while layer 0 runs again, layer 1 is needed
+    next and layer 2 (which just ran) last; layer 0's unused expert waits a whole forward."""
+    policy = NextUsePolicy(num_layers=3)
+    for layer in range(3):
+        for e in (0, 1):
+            policy.admit((layer, e))
+        _run(policy, layer, 0, 1)
+    _run(policy, 0, 0)
+    assert [policy.runs_until_needed((layer, 0)) for layer in range(3)] == [3, 1, 2]
+    candidates = [(1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert policy.victims(candidates, 5) == [(0, 1), (2, 0), (2, 1), (1, 0), (1, 1)]
+
+
+def test_next_use_evicts_an_expert_idle_for_forwards_first() -> None:
+    policy = NextUsePolicy(num_layers=2)
+    policy.admit((1, 5))
+    _run(policy, 1, 5)
+    for _ in range(3):  # three forwards in which layer 1 runs expert 0 only
+        _run(policy, 0, 0)
+        _run(policy, 1, 0)
+    _run(policy, 0, 0)
+    # (1, 0) is needed at the very next run; (1, 5) idled for three forwards: 1 + 2 * 3 runs away
+    assert policy.runs_until_needed((1, 5)) == 7
+    assert policy.victims([(1, 0), (0, 1), (1, 5)], 1) == [(1, 5)]
+
+
+def test_next_use_counts_the_waves_of_one_run_once() -> None:
+    policy = NextUsePolicy(num_layers=2)
+    _run(policy, 0, 0)
+    _run(policy, 0, 1)  # a second wave of the same run
+    _run(policy, 1, 0)
+    assert policy.runs_until_needed((0, 0)) == policy.runs_until_needed((0, 1)) == 1
+
+
 def test_make_policy_by_name_and_unknown_name_lists_choices() -> None:
-    assert isinstance(make_policy("lru", 2), LRUPolicy)
-    assert isinstance(make_policy("lfu", 2), LFUPolicy)
-    mrs = make_policy("mrs", 2)
+    assert isinstance(make_policy("lru", 2, 4), LRUPolicy)
+    assert isinstance(make_policy("lfu", 2, 4), LFUPolicy)
+    mrs = make_policy("mrs", 2, 4)
     assert isinstance(mrs, MRSPolicy) and mrs.top_p == 4
-    with pytest.raises(ValueError, match="lru, lfu, mrs"):
-        make_policy("fifo", 2)
+    next_use = make_policy("next-use", 2, 4)
+    assert isinstance(next_use, NextUsePolicy) and next_use.num_layers == 4
+    with pytest.raises(ValueError, match="lru, lfu, mrs, next-use"):
+        make_policy("fifo", 2, 4)
