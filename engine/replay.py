@@ -135,7 +135,7 @@ class OfflineOptimum(LRUPolicy):
 def _policy(name: str, trace: Trace) -> EvictionPolicy:
     if name == "opt":
         return OfflineOptimum(trace.runs)
-    return make_policy(name, top_k=trace.top_p // 2 or 1, num_layers=trace.num_layers)
+    return make_policy(name, top_k=trace.top_p // 2 or 1, num_layers=trace.num_layers, num_experts=trace.num_experts)
 
 
 def simulate(trace: Trace, capacity: int, policy: str, predictor: str) -> ExpertStats:

@@ -7,10 +7,11 @@ LFU and MRS rank candidates by a tuple whose last element is the last-use stamp,
 fall back to LRU (temporal locality dominates MoE routing, see the EBCO report).
 
 Next-use estimates when each candidate is needed again from the order a forward runs the MoE
-layers in (0, 1, ..., L-1, then 0 again), which LRU ignores: an expert of the layer after the
-current one is needed within one layer run if it is routed to again; one of the layer that just
-ran waits a whole forward. When a forward needs more experts than the cache holds (a verify pass
-over many tokens) LRU evicts exactly the experts that come next and hits ~0%; next-use keeps them.
+layers in (0, 1, ..., L-1, then 0 again), which the others ignore, and how often its layer routes
+to it: an expert of the layer after the current one gets its next chance within one layer run;
+one of the layer that just ran waits a whole forward. When a forward needs more experts than the
+cache holds (a verify pass over many tokens) LRU evicts exactly the experts that come next and
+hits ~0%; next-use keeps them (bench/results/routing_replay.md).
 """
 from __future__ import annotations
 
@@ -142,56 +143,62 @@ class MRSPolicy(_RankedPolicy):
 
 
 class NextUsePolicy(_RankedPolicy):
-    """Evicts the expert estimated to be needed again last (Belady's rule, estimated online).
+    """Evicts the expert expected to be needed again last: Belady's rule, with an estimate.
 
-    Estimate for (layer l, expert e) while layer m runs: the layer runs until l runs again,
-    (l - m) mod L, or L for l = m, plus L for every whole forward since e was last used there,
-    the reuse distance LRU also bets on. A forward's experts all count as just used, so among
-    them the layer that ran longest ago is kept and the one that just ran goes first; an expert
-    idle for forwards goes before both. Ties -> LRU.
+    While layer m runs, an expert of layer l gets its next chance in u = (l - m) mod L layer runs
+    (L for l = m) and another every L runs after. If its layer's runs route to it with probability
+    p, it is needed after u + L(1 - p)/p runs on average (geometric). p is an exponential average
+    over the layer's runs (weight `alpha` for the newest, ~20 runs of memory), kept across
+    evictions like LFU's counts and started at top_k / E, the uniform router's rate. Ties -> LRU.
     """
 
-    def __init__(self, num_layers: int) -> None:
-        if num_layers < 1:
-            raise ValueError(f"next-use needs num_layers >= 1, got {num_layers}")
+    def __init__(self, num_layers: int, prior: float, alpha: float = 0.05) -> None:
+        if num_layers < 1 or not 0 < prior <= 1 or not 0 < alpha <= 1:
+            raise ValueError(f"next-use needs num_layers >= 1 and prior, alpha in (0, 1], got "
+                             f"{num_layers}, {prior}, {alpha}")
         super().__init__()
         self.num_layers = num_layers
+        self.prior = prior
+        self.alpha = alpha
         self._layer = -1  # the layer running now; before any run, layer 0 comes next
-        self._runs = 0  # layer runs begun
-        self._last_run: dict[Key, int] = {}  # the run in which each key was last used or admitted
+        self._runs = [0] * num_layers  # runs begun, per layer
+        self._rate: dict[Key, tuple[float, int]] = {}  # key -> (p, its layer's run that p includes)
 
     def begin_run(self, layer: int) -> None:
         if layer != self._layer:  # further waves of the same run are not a new run
-            self._runs += 1
+            self._runs[layer] += 1
             self._layer = layer
 
     def admit(self, key: Key) -> None:
-        self._last_run[key] = self._runs
+        self._rate.setdefault(key, (self.prior, self._runs[key[0]]))
         super().admit(key)
 
     def touch(self, key: Key) -> None:
-        self._last_run[key] = self._runs
+        run = self._runs[key[0]]
+        p, seen = self._rate.get(key, (self.prior, run - 1))
+        if seen != run:  # a run counts once, however many waves touch the key
+            self._rate[key] = (p * (1 - self.alpha) ** (run - seen) + self.alpha, run)
         super().touch(key)
 
-    def evicted(self, key: Key) -> None:
-        self._last_run.pop(key, None)
-        super().evicted(key)
+    def rate(self, key: Key) -> float:
+        """p: how often the runs of the key's layer route to it, runs without it decayed in."""
+        p, seen = self._rate.get(key, (self.prior, self._runs[key[0]]))
+        return p * (1 - self.alpha) ** (self._runs[key[0]] - seen)
 
-    def runs_until_needed(self, key: Key) -> int:
-        layers = self.num_layers
-        until_layer = (key[0] - self._layer - 1) % layers + 1  # 1 for the next layer, L for this one
-        idle_forwards = (self._runs - self._last_run.get(key, self._runs)) // layers
-        return until_layer + layers * idle_forwards
+    def runs_until_needed(self, key: Key) -> float:
+        until = (key[0] - self._layer - 1) % self.num_layers + 1  # 1 for the next layer, L for this one
+        p = self.rate(key)
+        return until + self.num_layers * (1 - p) / p if p > 0 else float("inf")
 
     def _rank(self, key: Key) -> tuple:
         return (-self.runs_until_needed(key), self._stamp.get(key, 0))
 
 
-def make_policy(name: str, top_k: int, num_layers: int) -> EvictionPolicy:
-    """Policy by name; `top_k` (experts per token) sets MRS's p = 2 * top_k; `num_layers` (MoE
-    layers a forward runs) is next-use's cycle."""
+def make_policy(name: str, top_k: int, num_layers: int, num_experts: int) -> EvictionPolicy:
+    """Policy by name; `top_k` (experts per token) sets MRS's p = 2 * top_k; next-use cycles
+    through `num_layers` MoE layers and starts every expert at top_k / num_experts."""
     if name == "next-use":
-        return NextUsePolicy(num_layers)
+        return NextUsePolicy(num_layers, prior=min(1.0, top_k / num_experts))
     if name == "lru":
         return LRUPolicy()
     if name == "lfu":

@@ -132,7 +132,7 @@ class CachedExpertRunner:
         self._num_experts = store.num_experts
         self.top_k = top_k
         self.prefetch_depth = prefetch_depth
-        eviction = make_policy(policy, top_k, store.num_layers)
+        eviction = make_policy(policy, top_k, store.num_layers, store.num_experts)
         self._mrs_top_p = eviction.top_p if isinstance(eviction, MRSPolicy) else None
         self.cache = ExpertCache(store, budget, eviction, device, top_k, copy_fn)
         self.prefetch_mode = prefetch

@@ -10,8 +10,10 @@ placing fewer keys than asked; it never waits.
 A prefetch never evicts an open prediction: an expert prefetched, not used yet, whose layer has
 not run since. Both are guesses of what a coming layer run needs, and the open one was made
 first, for a layer that runs sooner (SP-MoE's draft phase predicts every drafted token's
-experts, layer by layer, for one verify pass). Demand copies may evict it, and once its layer
-has run without it, it was a wrong guess and any copy may.
+experts, layer by layer, for one verify pass). Demand copies take open predictions only when
+nothing else can go (a need is certain, a guess is not; policies that rank by use history would
+otherwise evict a fresh guess first), and once its layer has run without it, it was a wrong
+guess and any copy may.
 """
 from __future__ import annotations
 
@@ -130,8 +132,9 @@ class SlotTable:
             if key in self._slot:
                 raise ValueError(f"{key} is already resident in slot {self._slot[key]}")
         shortfall = len(keys) - len(self._free)
-        candidates = self._evictable - self._open_predictions if prefetched else self._evictable
-        victims = self.policy.victims(candidates, shortfall) if shortfall > 0 else []
+        victims = self.policy.victims(self._evictable - self._open_predictions, shortfall) if shortfall > 0 else []
+        if not prefetched and len(victims) < shortfall:
+            victims += self.policy.victims(self._evictable & self._open_predictions, shortfall - len(victims))
         evictions = [self._evict(v) for v in victims]
         n = min(len(keys), len(self._free))
         placed = [(key, self._occupy(key, pin=pin, prefetched=prefetched)) for key in keys[:n]]

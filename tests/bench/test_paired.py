@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import paired
+from bench import paired, suite
+from bench.rows import seeded_prompts
 from engine.config import EngineConfig
 
 
@@ -44,7 +45,10 @@ def test_an_arm_is_a_suite_row_with_overrides() -> None:
         paired.parse_arm("LRU@no_such_field=1", base)
 
 
-def test_a_cpu_run_pairs_every_prompt_and_every_arm_emits_the_same_tokens(tmp_path: Path) -> None:
+def test_a_cpu_run_pairs_every_prompt_and_every_arm_emits_the_same_tokens(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # the held-out corpus is built by the training script, not shipped: random prompts will do here
+    monkeypatch.setattr(suite, "heldout_prompts", lambda target, count, length: seeded_prompts(8192, count, length))
     paired.main(["--device", "cpu", "--smoke", "--prompts", "2", "--tokens", "6", "--rounds", "1",
                  "--warmup-tokens", "3", "--arm", "plain SD", "--arm", "SP-MoE@spec_cutoff=2", "--arm", "LRU",
                  "--work-dir", str(tmp_path / "models"), "--out", str(tmp_path / "out")])

@@ -61,46 +61,43 @@ def _run(policy: NextUsePolicy, layer: int, *experts: int) -> None:
 
 
 def test_next_use_keeps_the_layers_that_run_next() -> None:
-    """Three layers, each run used two experts: while layer 0 runs again, layer 1 is needed
-    next and layer 2 (which just ran) last; layer 0's unused expert waits a whole forward."""
-    policy = NextUsePolicy(num_layers=3)
+    """Three layers, each run routed to experts 0 and 1: while layer 0 runs again, layer 1 is
+    needed next and layer 2 (which just ran) last; equal rates, so the layer order decides."""
+    policy = NextUsePolicy(num_layers=3, prior=0.5, alpha=0.5)
     for layer in range(3):
-        for e in (0, 1):
-            policy.admit((layer, e))
         _run(policy, layer, 0, 1)
-    _run(policy, 0, 0)
-    assert [policy.runs_until_needed((layer, 0)) for layer in range(3)] == [3, 1, 2]
-    candidates = [(1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
-    assert policy.victims(candidates, 5) == [(0, 1), (2, 0), (2, 1), (1, 0), (1, 1)]
+    _run(policy, 0, 0, 1)
+    assert [policy.rate((layer, 0)) for layer in range(3)] == [0.875, 0.75, 0.75]
+    # u + L (1 - p) / p with L = 3: layer 1 is 1 run away, layer 2 two
+    assert policy.runs_until_needed((1, 0)) == pytest.approx(1 + 3 * 0.25 / 0.75)
+    assert policy.runs_until_needed((2, 0)) == pytest.approx(2 + 3 * 0.25 / 0.75)
+    assert policy.victims([(1, 0), (2, 1), (1, 1), (2, 0)], 4) == [(2, 0), (2, 1), (1, 0), (1, 1)]
 
 
-def test_next_use_evicts_an_expert_idle_for_forwards_first() -> None:
-    policy = NextUsePolicy(num_layers=2)
-    policy.admit((1, 5))
-    _run(policy, 1, 5)
-    for _ in range(3):  # three forwards in which layer 1 runs expert 0 only
+def test_next_use_evicts_an_expert_its_layer_stopped_routing_to() -> None:
+    policy = NextUsePolicy(num_layers=2, prior=0.5, alpha=0.5)
+    _run(policy, 1, 5)  # (1, 5) routed once, then never again
+    for _ in range(3):
         _run(policy, 0, 0)
         _run(policy, 1, 0)
     _run(policy, 0, 0)
-    # (1, 0) is needed at the very next run; (1, 5) idled for three forwards: 1 + 2 * 3 runs away
-    assert policy.runs_until_needed((1, 5)) == 7
+    assert policy.rate((1, 5)) == pytest.approx(0.75 * 0.5 ** 3)  # three runs of layer 1 without it
     assert policy.victims([(1, 0), (0, 1), (1, 5)], 1) == [(1, 5)]
 
 
 def test_next_use_counts_the_waves_of_one_run_once() -> None:
-    policy = NextUsePolicy(num_layers=2)
+    policy = NextUsePolicy(num_layers=2, prior=0.5, alpha=0.5)
     _run(policy, 0, 0)
-    _run(policy, 0, 1)  # a second wave of the same run
-    _run(policy, 1, 0)
-    assert policy.runs_until_needed((0, 0)) == policy.runs_until_needed((0, 1)) == 1
+    _run(policy, 0, 0, 1)  # a second wave of the same run touches (0, 0) again
+    assert policy.rate((0, 0)) == policy.rate((0, 1)) == 0.75
 
 
 def test_make_policy_by_name_and_unknown_name_lists_choices() -> None:
-    assert isinstance(make_policy("lru", 2, 4), LRUPolicy)
-    assert isinstance(make_policy("lfu", 2, 4), LFUPolicy)
-    mrs = make_policy("mrs", 2, 4)
+    assert isinstance(make_policy("lru", 2, 4, 8), LRUPolicy)
+    assert isinstance(make_policy("lfu", 2, 4, 8), LFUPolicy)
+    mrs = make_policy("mrs", 2, 4, 8)
     assert isinstance(mrs, MRSPolicy) and mrs.top_p == 4
-    next_use = make_policy("next-use", 2, 4)
-    assert isinstance(next_use, NextUsePolicy) and next_use.num_layers == 4
+    next_use = make_policy("next-use", 2, 4, 8)
+    assert isinstance(next_use, NextUsePolicy) and (next_use.num_layers, next_use.prior) == (4, 0.25)
     with pytest.raises(ValueError, match="lru, lfu, mrs, next-use"):
-        make_policy("fifo", 2, 4)
+        make_policy("fifo", 2, 4, 8)

@@ -102,8 +102,9 @@ def test_drop_frees_the_slot_without_an_eviction() -> None:
 @given(st.lists(st.tuples(st.sampled_from(["place", "pin", "unpin", "complete", "prefetch"]),
                           st.integers(0, 5)), max_size=60))
 def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> None:
-    """Whatever happens, victims are only unpinned landed residents, LRU evicts the oldest, and a
-    prefetch passes over open predictions (prefetched, not used since)."""
+    """Whatever happens, victims are only unpinned landed residents, LRU evicts the oldest, a
+    prefetch passes over open predictions (prefetched, not used since) and a demand copy takes
+    them only when nothing else can go."""
     table = SlotTable(3, LRUPolicy())
     last_use: dict[tuple[int, int], int] = {}
     open_predictions: set[tuple[int, int]] = set()
@@ -111,9 +112,9 @@ def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> No
         key = (0, e)
         resident, pinned, flying = key in table, table.is_pinned(key), table.is_in_flight(key)
         if op in ("place", "prefetch") and not resident:
-            candidates = _should_be_evictable(table)
-            if op == "prefetch":
-                candidates -= open_predictions
+            candidates = _should_be_evictable(table) - open_predictions
+            if op == "place" and not candidates:
+                candidates = _should_be_evictable(table)
             expected_victim = min(candidates, key=last_use.get, default=None)
             placement = table.place([key], pin=op == "place", prefetched=op == "prefetch")
             for eviction in placement.evictions:
@@ -155,3 +156,15 @@ def test_a_prefetch_never_evicts_an_open_prediction() -> None:
     table.complete((0, 3))
     later = table.place([(1, 2)], pin=False, prefetched=True)  # (1, 1) is still open: (0, 3) goes
     assert [e.key for e in later.evictions] == [(0, 3)]
+
+
+def test_a_demand_copy_takes_an_open_prediction_only_when_nothing_else_can_go() -> None:
+    table = SlotTable(2, LRUPolicy())
+    table.place([(1, 1)], pin=False, prefetched=True)  # the oldest resident, but an open prediction
+    table.complete((1, 1))
+    _resident(table, (0, 2))
+    first = table.place([(0, 5)], pin=True, prefetched=False)
+    assert [e.key for e in first.evictions] == [(0, 2)]
+    table.complete((0, 5))
+    second = table.place([(0, 6)], pin=True, prefetched=False)  # (0, 5) is pinned: only the guess is left
+    assert [(e.key, e.wasted_prefetch) for e in second.evictions] == [((1, 1), True)]
