@@ -16,6 +16,7 @@ hits ~0%; next-use keeps them (bench/results/routing_replay.md).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Protocol
@@ -142,7 +143,7 @@ class MRSPolicy(_RankedPolicy):
         return (self.score(key), self._stamp.get(key, 0))
 
 
-class NextUsePolicy(_RankedPolicy):
+class NextUsePolicy(LRUPolicy):
     """Evicts the expert expected to be needed again last: Belady's rule, with an estimate.
 
     While layer m runs, an expert of layer l gets its next chance in u = (l - m) mod L layer runs
@@ -150,19 +151,29 @@ class NextUsePolicy(_RankedPolicy):
     p, it is needed after u + L(1 - p)/p runs on average (geometric). p is an exponential average
     over the layer's runs (weight `alpha` for the newest, ~20 runs of memory), kept across
     evictions like LFU's counts and started at top_k / E, the uniform router's rate. Ties -> LRU.
+
+    Choosing victims must not cost a scan of the whole cache per miss (thousands of slots for
+    128-expert models): every run of a layer decays all its rates alike, so within a layer the
+    order by rate only changes when a key is used. Each layer keeps a heap in that order (stale
+    entries skipped, compacted when they pile up); a victim is the layer front with the largest
+    estimate.
     """
 
     def __init__(self, num_layers: int, prior: float, alpha: float = 0.05) -> None:
-        if num_layers < 1 or not 0 < prior <= 1 or not 0 < alpha <= 1:
-            raise ValueError(f"next-use needs num_layers >= 1 and prior, alpha in (0, 1], got "
+        if num_layers < 1 or not 0 < prior <= 1 or not 0 < alpha < 1:
+            raise ValueError(f"next-use needs num_layers >= 1, prior in (0, 1] and alpha in (0, 1), got "
                              f"{num_layers}, {prior}, {alpha}")
         super().__init__()
         self.num_layers = num_layers
         self.prior = prior
         self.alpha = alpha
+        self._log_keep = math.log(1 - alpha)  # a run without the key multiplies its rate by 1 - alpha
         self._layer = -1  # the layer running now; before any run, layer 0 comes next
         self._runs = [0] * num_layers  # runs begun, per layer
         self._rate: dict[Key, tuple[float, int]] = {}  # key -> (p, its layer's run that p includes)
+        # per layer: resident key -> its live entry in the layer's heap (order by rate, then stamp)
+        self._order: list[dict[Key, tuple[float, int]]] = [{} for _ in range(num_layers)]
+        self._heaps: list[list[tuple[float, int, Key]]] = [[] for _ in range(num_layers)]
 
     def begin_run(self, layer: int) -> None:
         if layer != self._layer:  # further waves of the same run are not a new run
@@ -170,28 +181,81 @@ class NextUsePolicy(_RankedPolicy):
             self._layer = layer
 
     def admit(self, key: Key) -> None:
-        self._rate.setdefault(key, (self.prior, self._runs[key[0]]))
+        self._rate.setdefault(key, self._history(key))
         super().admit(key)
+        self._push(key)
 
     def touch(self, key: Key) -> None:
         run = self._runs[key[0]]
-        p, seen = self._rate.get(key, (self.prior, run - 1))
+        p, seen = self._history(key)
         if seen != run:  # a run counts once, however many waves touch the key
             self._rate[key] = (p * (1 - self.alpha) ** (run - seen) + self.alpha, run)
         super().touch(key)
+        if key in self._order[key[0]]:
+            self._push(key)
+
+    def evicted(self, key: Key) -> None:
+        super().evicted(key)
+        self._order[key[0]].pop(key, None)
 
     def rate(self, key: Key) -> float:
         """p: how often the runs of the key's layer route to it, runs without it decayed in."""
-        p, seen = self._rate.get(key, (self.prior, self._runs[key[0]]))
+        p, seen = self._history(key)
         return p * (1 - self.alpha) ** (self._runs[key[0]] - seen)
+
+    def _history(self, key: Key) -> tuple[float, int]:
+        """(p, the run it includes); a key never used had the prior before its layer's current run."""
+        return self._rate.get(key, (self.prior, self._runs[key[0]] - 1))
 
     def runs_until_needed(self, key: Key) -> float:
         until = (key[0] - self._layer - 1) % self.num_layers + 1  # 1 for the next layer, L for this one
         p = self.rate(key)
-        return until + self.num_layers * (1 - p) / p if p > 0 else float("inf")
+        return until + self.num_layers * (1 - p) / p
 
-    def _rank(self, key: Key) -> tuple:
-        return (-self.runs_until_needed(key), self._stamp.get(key, 0))
+    def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
+        chosen: list[Key] = []
+        fronts = []  # (-estimate, stamp, key): each layer's best remaining candidate
+        for layer in range(self.num_layers):
+            self._add_front(fronts, layer, candidates, chosen)
+        heapq.heapify(fronts)
+        while fronts and len(chosen) < n:
+            key = heapq.heappop(fronts)[2]
+            chosen.append(key)
+            self._add_front(fronts, key[0], candidates, chosen, push=True)
+        return chosen
+
+    def _add_front(self, fronts: list, layer: int, candidates: Collection[Key], chosen: list[Key],
+                   push: bool = False) -> None:
+        key = self._front(layer, candidates, chosen)
+        if key is not None:
+            entry = (-self.runs_until_needed(key), self._stamp[key], key)
+            heapq.heappush(fronts, entry) if push else fronts.append(entry)
+
+    def _front(self, layer: int, candidates: Collection[Key], chosen: list[Key]) -> Key | None:
+        """The layer's lowest-rate key among the candidates not chosen yet, its heap left intact."""
+        heap, live, held, found = self._heaps[layer], self._order[layer], [], None
+        while heap:
+            order, stamp, key = heap[0]
+            if live.get(key) != (order, stamp):
+                heapq.heappop(heap)  # stale: used again since, or evicted
+            elif key in candidates and key not in chosen:
+                found = key
+                break
+            else:
+                held.append(heapq.heappop(heap))  # pinned, in flight or already chosen: keep it
+        for entry in held:
+            heapq.heappush(heap, entry)
+        return found
+
+    def _push(self, key: Key) -> None:
+        p, seen = self._rate[key]
+        order = (math.log(p) - seen * self._log_keep, self._stamp[key])  # log of p decayed to run 0
+        live, heap = self._order[key[0]], self._heaps[key[0]]
+        live[key] = order
+        heapq.heappush(heap, (*order, key))
+        if len(heap) > 2 * len(live) + 16:  # mostly stale entries: rebuild
+            heap[:] = [(*o, k) for k, o in live.items()]
+            heapq.heapify(heap)
 
 
 def make_policy(name: str, top_k: int, num_layers: int, num_experts: int) -> EvictionPolicy:

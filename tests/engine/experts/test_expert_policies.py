@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine.experts.policies import LFUPolicy, LRUPolicy, MRSPolicy, NextUsePolicy, make_policy
 
@@ -55,8 +57,11 @@ def test_mrs_layers_are_independent_and_ties_fall_back_to_lru() -> None:
 
 
 def _run(policy: NextUsePolicy, layer: int, *experts: int) -> None:
+    """One run of `layer` that routes to `experts` (copied in first when not resident)."""
     policy.begin_run(layer)
     for e in experts:
+        if (layer, e) not in policy._recency:
+            policy.admit((layer, e))
         policy.touch((layer, e))
 
 
@@ -82,6 +87,7 @@ def test_next_use_evicts_an_expert_its_layer_stopped_routing_to() -> None:
         _run(policy, 1, 0)
     _run(policy, 0, 0)
     assert policy.rate((1, 5)) == pytest.approx(0.75 * 0.5 ** 3)  # three runs of layer 1 without it
+    policy.admit((0, 1))  # never routed to since: the prior, one run old
     assert policy.victims([(1, 0), (0, 1), (1, 5)], 1) == [(1, 5)]
 
 
@@ -101,3 +107,31 @@ def test_make_policy_by_name_and_unknown_name_lists_choices() -> None:
     assert isinstance(next_use, NextUsePolicy) and (next_use.num_layers, next_use.prior) == (4, 0.25)
     with pytest.raises(ValueError, match="lru, lfu, mrs, next-use"):
         make_policy("fifo", 2, 4, 8)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["run", "admit", "touch", "evict", "victims"]),
+                          st.integers(0, 2), st.integers(0, 5), st.integers(1, 4)), max_size=80))
+def test_next_use_victims_are_the_largest_estimates(ops: list[tuple[str, int, int, int]]) -> None:
+    """The per-layer heaps pick what ranking every candidate by (estimate, stamp) would."""
+    policy = NextUsePolicy(num_layers=3, prior=0.25, alpha=0.3)
+    resident: set[tuple[int, int]] = set()
+    for op, layer, expert, n in ops:
+        key = (layer, expert)
+        if op == "run":
+            policy.begin_run(layer)
+        elif op == "admit" and key not in resident:
+            policy.admit(key)
+            resident.add(key)
+        elif op == "touch" and key in resident:
+            policy.touch(key)
+        elif op == "evict" and key in resident:
+            policy.evicted(key)
+            resident.discard(key)
+        elif op == "victims":
+            candidates = {k for k in resident if k[1] != expert}  # some residents are pinned
+            chosen = policy.victims(candidates, n)
+            ranked = sorted(candidates, key=lambda k: (-policy.runs_until_needed(k), policy._stamp[k]))
+            assert [policy.runs_until_needed(k) for k in chosen] == pytest.approx(
+                [policy.runs_until_needed(k) for k in ranked[:n]])
+            assert len(set(chosen)) == len(chosen) and set(chosen) <= candidates
