@@ -27,10 +27,11 @@ CPU = torch.device("cpu")
 
 
 def load_cached(path: Path, device: torch.device = CPU, all_resident: bool = False) -> CausalLM:
-    """An MoE tiny model whose expert cache holds only top_k + 1 experts in all (or every expert)."""
+    """An MoE tiny model whose expert cache holds only top_k + 1 experts in all (or every expert),
+    under next-use, the policy the engine picks for speculative decoding."""
     def runner(store: ExpertStore, config: ModelConfig) -> CachedExpertRunner:
         budget = None if all_resident else (config.top_k + 1) * store.layout.nbytes
-        return CachedExpertRunner(store, budget, "lru", device, top_k=config.top_k)
+        return CachedExpertRunner(store, budget, "next-use", device, top_k=config.top_k)
 
     return load_model(path, device, torch.float32, runner_factory=runner, progress=False).model
 
