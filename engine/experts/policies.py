@@ -210,7 +210,7 @@ class NextUsePolicy(LRUPolicy):
     def runs_until_needed(self, key: Key) -> float:
         until = (key[0] - self._layer - 1) % self.num_layers + 1  # 1 for the next layer, L for this one
         p = self.rate(key)
-        return until + self.num_layers * (1 - p) / p
+        return until + self.num_layers * (1 - p) / p if p > 0 else math.inf  # p underflows after ~10^4 idle runs
 
     def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
         chosen: list[Key] = []
@@ -227,9 +227,13 @@ class NextUsePolicy(LRUPolicy):
     def _add_front(self, fronts: list, layer: int, candidates: Collection[Key], chosen: list[Key],
                    push: bool = False) -> None:
         key = self._front(layer, candidates, chosen)
-        if key is not None:
-            entry = (-self.runs_until_needed(key), self._stamp[key], key)
-            heapq.heappush(fronts, entry) if push else fronts.append(entry)
+        if key is None:
+            return
+        entry = (-self.runs_until_needed(key), self._stamp[key], key)
+        if push:
+            heapq.heappush(fronts, entry)
+        else:
+            fronts.append(entry)
 
     def _front(self, layer: int, candidates: Collection[Key], chosen: list[Key]) -> Key | None:
         """The layer's lowest-rate key among the candidates not chosen yet, its heap left intact."""
