@@ -139,7 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="times each prompt is decoded by every arm")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--warmup-tokens", type=int, default=32)
+    parser.add_argument("--warmup-tokens", type=int, default=None,
+                        help="default --tokens: the warm-up then captures every span length a timed request ends with")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--deadline-s", type=float, default=540.0, help="stop starting pairs after this")
     parser.add_argument("--note", action="append", default=[])
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for arm in arms:  # all built before any timing, so every pair sees the same process state
             cores.append(EngineCore(arm.config))
-            engine_generate(cores[-1], "warm-up", setup.prompts[0], args.warmup_tokens)
+            engine_generate(cores[-1], "warm-up", setup.prompts[0], args.warmup_tokens or args.tokens)
         for round_ in range(args.rounds):
             for i, prompt in enumerate(setup.prompts):
                 if time.perf_counter() > deadline:
