@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--warmup-tokens", type=int, default=16)
+    parser.add_argument("--warmup-tokens", type=int, default=None, help="default --tokens (captures every span length)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--deadline-s", type=float, default=540.0)
     parser.add_argument("--min-row-s", type=float, default=20.0)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     # The automatic choice is a fixed cutoff once made: read it from an untimed engine, which also
     # takes the process's one-time costs. (Timing it as a row of its own measured the same
     # configuration twice: identical rows differed by up to 25%, the spread between runs.)
-    time_engine_decode("process warm-up", base, setup.prompts[:1], args.warmup_tokens)
+    time_engine_decode("process warm-up", base, setup.prompts[:1], args.warmup_tokens or args.tokens)
     auto_cutoff = chosen.value
     result["auto_profile"] = chosen.profile
     free_device()

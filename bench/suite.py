@@ -206,7 +206,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--warmup-tokens", type=int, default=32)
+    parser.add_argument("--warmup-tokens", type=int, default=None, help="default --tokens (captures every span length)")
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--accelerate-budget", default="3GiB")
     parser.add_argument("--accelerate-prompts", type=int, default=2)
