@@ -188,10 +188,10 @@ def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[str], pre
 
 
 def _format_table(results: Sequence[Result]) -> str:
-    header = f"{'policy':6} {'predictor':10} {'slots':>6} {'hit rate':>8} {'hits':>8} {'misses':>8} " \
+    header = f"{'policy':8} {'predictor':10} {'slots':>6} {'hit rate':>8} {'hits':>8} {'misses':>8} " \
              f"{'evicted':>8} {'prefetch':>8} {'used':>6} {'wasted':>6} {'pred acc':>8}"
     rows = [
-        f"{r.policy:6} {r.predictor:10} {r.capacity:>6} {r.total.hit_rate:>8.2%} {r.total.hits:>8} "
+        f"{r.policy:8} {r.predictor:10} {r.capacity:>6} {r.total.hit_rate:>8.2%} {r.total.hits:>8} "
         f"{r.total.misses:>8} {r.total.evictions:>8} {r.total.prefetch_bytes:>8} {r.total.prefetch_used:>6} "
         f"{r.total.prefetch_wasted:>6} {r.total.predictor_accuracy:>8.2%}"
         for r in results
