@@ -70,7 +70,7 @@ class ReadBack:
     candidates: list[list[int]]  # [T][K] a self-draft's full top-k (LayerRouting.candidates); else empty
 
 
-@dataclass(frozen=True)
+@dataclass
 class CapturedLayer:
     """One MoE layer of a piecewise-captured span of T tokens (see engine/graphs.py).
 
@@ -83,8 +83,10 @@ class CapturedLayer:
     num_candidates: int  # a self-draft's top-k it picks them from (0: not a draft)
     readback: torch.Tensor  # flat, as _pack makes it
     index: torch.Tensor  # [2, T, k] int64: the slot of each expert a token runs, then its expert id
-    staging: torch.Tensor  # index's host side, pinned on CUDA: rewritten only after the next read-back's sync
     guess: Guess | None
+    # index's host side, pinned on CUDA; made at the first replay, as a pinned allocation is not
+    # allowed while a stream captures; rewritten only after the next read-back's sync
+    staging: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -272,10 +274,8 @@ class CachedExpertRunner:
         # host-written between replays; zeroed in this segment, i.e. before the host writes it,
         # so that where "capture" runs eagerly (CPU tests) the experts below read valid slots
         index = torch.zeros((2, *routing.expert_ids.shape), dtype=torch.long, device=x.device)
-        staging = torch.empty(index.shape, dtype=torch.long, pin_memory=x.is_cuda)
         num_candidates = 0 if routing.candidates is None else routing.candidates.shape[1]
-        layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index,
-                                    staging, guess))
+        layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index, guess))
         split()
         weights = routing.expert_weights if routing.candidates is None else routing.reweighted(index[1])
         return gathered_experts(x, weights, self.cache.slots, index[0], self.layout)
@@ -295,6 +295,8 @@ class CachedExpertRunner:
         self.cache.wait_pending(wave)
         # The read-back above synchronised the stream after the previous replay's copy from the
         # staging buffer, so it may be rewritten; a fixed pinned buffer spares an allocation per layer.
+        if captured.staging is None:
+            captured.staging = torch.empty(captured.index.shape, dtype=torch.long, pin_memory=captured.index.is_cuda)
         flat = [e for row in back.ids for e in row]
         captured.staging.numpy().reshape(-1)[:] = [wave.slots[e] for e in flat] + flat
         captured.index.copy_(captured.staging, non_blocking=True)
