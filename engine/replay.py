@@ -146,6 +146,7 @@ def simulate(trace: Trace, capacity: int, policy: str, predictor: str) -> Expert
     for position, run in enumerate(trace.runs):
         if isinstance(table.policy, OfflineOptimum):
             table.policy.position = position
+        table.policy.begin_run(run.layer)
         table.policy.observe_scores(run.layer, [run.scores.get(e, 0.0) for e in range(trace.num_experts)])
         if run.layer in guesses:
             hit = len(set(guesses.pop(run.layer)).intersection(run.experts))

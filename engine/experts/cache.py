@@ -237,6 +237,11 @@ class ExpertCache:
         with self._lock:
             return len(self._table)
 
+    def begin_run(self, layer: int) -> None:
+        """A run of `layer` begins (once, before its waves): the policy's clock."""
+        with self._lock:
+            self._table.policy.begin_run(layer)
+
     def observe_scores(self, layer: int, scores: Sequence[float]) -> None:
         with self._lock:
             self._table.policy.observe_scores(layer, scores)

@@ -28,7 +28,7 @@ POLICY_NAMES = ("lru", "lfu", "mrs", "next-use")
 
 class EvictionPolicy(Protocol):
     def begin_run(self, layer: int) -> None:
-        """A run of MoE layer `layer` asks for its experts (once per wave)."""
+        """A run of MoE layer `layer` begins (once, before its waves)."""
 
     def admit(self, key: Key) -> None:
         """`key` became resident (demand copy or prefetch)."""
@@ -176,9 +176,8 @@ class NextUsePolicy(LRUPolicy):
         self._heaps: list[list[tuple[float, int, Key]]] = [[] for _ in range(num_layers)]
 
     def begin_run(self, layer: int) -> None:
-        if layer != self._layer:  # further waves of the same run are not a new run
-            self._runs[layer] += 1
-            self._layer = layer
+        self._runs[layer] += 1
+        self._layer = layer
 
     def admit(self, key: Key) -> None:
         self._rate.setdefault(key, self._history(key))

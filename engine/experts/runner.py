@@ -174,6 +174,7 @@ class CachedExpertRunner:
         if self.graph_safe and (x.shape[0] == 1 or _capturing(x)):
             return self._run_resident(x, routing)
         layer = routing.layer
+        self.cache.begin_run(layer)
         streamed = self.stream_prefill and streams(x.shape[0], self.top_k, self._num_experts)
         guess = self._guess(layer, x, streamed)
         read = self._read_back(routing, guess)
@@ -287,6 +288,7 @@ class CachedExpertRunner:
         self._runs += 1
         self._release_held()  # the previous layer's compute is enqueued: its slots may go
         layer = captured.layer
+        self.cache.begin_run(layer)
         back = self._unpack(captured.readback.tolist(), layer, captured.tokens, captured.k, captured.num_candidates,
                             captured.guess)
         back = self._draft_choice(layer, back)

@@ -144,7 +144,6 @@ class SlotTable:
         """Pin the resident keys (hits) and place as many of the others as the table allows."""
         if keys:  # the layer runs: its open predictions it does not ask for were wrong
             layer, wanted = keys[0][0], set(keys)
-            self.policy.begin_run(layer)
             self._open_predictions = {k for k in self._open_predictions if k[0] != layer or k in wanted}
         hits = [k for k in keys if k in self._slot]
         for key in hits:

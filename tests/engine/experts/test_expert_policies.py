@@ -94,8 +94,12 @@ def test_next_use_evicts_an_expert_its_layer_stopped_routing_to() -> None:
 def test_next_use_counts_the_waves_of_one_run_once() -> None:
     policy = NextUsePolicy(num_layers=2, prior=0.5, alpha=0.5)
     _run(policy, 0, 0)
-    _run(policy, 0, 0, 1)  # a second wave of the same run touches (0, 0) again
+    policy.admit((0, 1))  # a second wave of the same run (no begin_run): (0, 1) copied in, both used
+    policy.touch((0, 0))
+    policy.touch((0, 1))
     assert policy.rate((0, 0)) == policy.rate((0, 1)) == 0.75
+    _run(policy, 0, 0)  # a model whose one MoE layer runs again: a new run
+    assert policy.rate((0, 0)) == 0.875 and policy.rate((0, 1)) == 0.375
 
 
 def test_make_policy_by_name_and_unknown_name_lists_choices() -> None:
