@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--trace", default="/tmp/default_routing.jsonl", help="where the JSONL trace goes")
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-offset", type=int, default=0,
+                        help="skip this many held-out files first (a second trace to check choices made on the first)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--slots-per-layer", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 6])
@@ -122,12 +124,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-record", action="store_true", help="replay an existing --trace")
     args = parser.parse_args(argv)
     if not args.no_record:
-        record(args.model, heldout_prompts(args.model, args.prompts, args.prompt_len), args.tokens, Path(args.trace))
+        prompts = heldout_prompts(args.model, args.prompt_offset + args.prompts, args.prompt_len)[args.prompt_offset:]
+        record(args.model, prompts, args.tokens, Path(args.trace))
     trace = load_trace(args.trace)
     results = replay(trace, [s * trace.num_layers for s in args.slots_per_layer], REPLAY_POLICIES, PREDICTORS)
     config = read_config(args.model)
     result = {
-        "title": f"Routing-trace replay: default model, {args.prompts} held-out prompts x {args.tokens} tokens",
+        "title": f"Routing-trace replay: default model, {args.prompts} held-out prompts x {args.tokens} tokens"
+                 + (f" (held-out files {args.prompt_offset + 1}-{args.prompt_offset + args.prompts})" if args.prompt_offset else ""),
         "command": "python " + " ".join(sys.argv),
         "notes": [f"{trace.num_layers} MoE layers x {trace.num_experts} experts, top-{config.top_k}; "
                   f"{len(trace.runs)} layer runs (prefills and decode steps)",
