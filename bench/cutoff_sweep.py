@@ -86,16 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def replace_budgets(args: argparse.Namespace) -> argparse.Namespace:
-    """suite.default_setup reads the suite's argument names."""
-    return argparse.Namespace(**vars(args), budgets=[args.budget])
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     deadline = time.perf_counter() + args.deadline_s
     device, dtype = torch.device(args.device), resolve_dtype(args.dtype, args.device)
-    setup = suite.default_setup(replace_budgets(args), args.table)
+    setup = suite.default_setup(args, args.table, [args.budget])
     layers = read_config(setup.target).num_moe_layers
     step = step_bytes(setup.target, dtype, context_tokens=args.prompt_len + args.tokens / 2)
     bw = measure_bandwidths(device, h2d_bytes=step.expert_bytes)

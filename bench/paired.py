@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import suite  # noqa: E402
 from bench.floor import measure_bandwidths, step_bytes  # noqa: E402
 from bench.report import write_outputs  # noqa: E402
-from bench.rows import Generation, RowResult, engine_extra, engine_generate  # noqa: E402
+from bench.rows import Generation, RowResult, engine_extra, engine_generate, summary  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
 from engine.loader import resolve_dtype  # noqa: E402
@@ -49,11 +49,9 @@ class Arm:
     runs: list[Generation] = field(default_factory=list)
 
     def row(self, budget: str) -> RowResult:
-        tpots = [r.tpot_s for r in self.runs]
-        extra = {"prompts_timed": len(tpots), "budget": budget,
-                 **engine_extra([r.stats for r in self.runs], sum(r.decoded for r in self.runs))}
-        return RowResult(self.name, statistics.median(tpots), _quantile(tpots, 0.9),
-                         statistics.median(r.ttft_s for r in self.runs), sum(r.decoded + 1 for r in self.runs), extra)
+        extra = {"budget": budget, **engine_extra([r.stats for r in self.runs], sum(r.decoded for r in self.runs))}
+        return summary(self.name, [r.tpot_s for r in self.runs], [r.ttft_s for r in self.runs],
+                       sum(r.decoded + 1 for r in self.runs), extra)
 
 
 def parse_arm(spec: str, base: EngineConfig) -> Arm:
@@ -83,11 +81,6 @@ def _value(text: str) -> bool | int | float | str | None:
         except ValueError:
             pass
     return text
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def compare(baseline: list[float], other: list[float], seed: int = 0) -> dict:
@@ -154,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     deadline = time.perf_counter() + args.deadline_s
     device, dtype = torch.device(args.device), resolve_dtype(args.dtype, args.device)
-    setup = suite.default_setup(argparse.Namespace(**vars(args), budgets=[args.budget]), args.table)
+    setup = suite.default_setup(args, args.table, [args.budget])
     base = EngineConfig(model=str(setup.target), device=device.type, dtype=args.dtype, max_model_len=args.max_model_len,
                         draft=str(setup.draft), spec_tokens=args.spec_tokens, gpu_expert_budget=args.budget)
     arms = [parse_arm(spec, base) for spec in args.arm]

@@ -68,7 +68,8 @@ def _check_started_in_time(deadline: float | None) -> None:
         raise TimeoutError("the call's deadline passed before the first timed prompt")
 
 
-def _summary(name: str, tpots: list[float], ttfts: list[float], tokens: int, extra: dict) -> RowResult:
+def summary(name: str, tpots: list[float], ttfts: list[float], tokens: int, extra: dict) -> RowResult:
+    """A timed row: median and p90 TPOT, median TTFT over the prompts."""
     extra = {"prompts_timed": len(tpots), **extra}
     return RowResult(name, statistics.median(tpots), _quantile(tpots, 0.9), statistics.median(ttfts), tokens, extra)
 
@@ -105,7 +106,7 @@ def time_hf_decode(name: str, model, prompts: list[list[int]], new_tokens: int, 
         tpots.append(tpot)
         if _past(deadline):
             break
-    return _summary(name, tpots, ttfts, new_tokens * len(tpots), {"decode_tokens_per_prompt": new_tokens - 1})
+    return summary(name, tpots, ttfts, new_tokens * len(tpots), {"decode_tokens_per_prompt": new_tokens - 1})
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ def time_engine_decode(name: str, config, prompts: list[list[int]], new_tokens: 
         core.close()
     extra = {**engine_extra(stats, decoded), "load_average_1m": load, "engine_build_seconds": build_seconds,
              "settings": settings}
-    return _summary(name, tpots, ttfts, new_tokens * len(tpots), extra)
+    return summary(name, tpots, ttfts, new_tokens * len(tpots), extra)
 
 
 def seeded_prompts(vocab_size: int, count: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -104,7 +104,7 @@ def olmoe_setup(args: argparse.Namespace, device: torch.device, dtype: torch.dty
                  notes, {"shape": shape})
 
 
-def default_setup(args: argparse.Namespace, table: str) -> Setup:
+def default_setup(args: argparse.Namespace, table: str, budgets: list[str]) -> Setup:
     expert_mb = SMOKE_EXPERT_MB if args.smoke else EXPERT_MB[table]
     built = checkpoints.expanded_default(Path(args.default_model), Path(args.work_dir) / table, expert_mb)
     target = Path(built["dst"])
@@ -112,7 +112,7 @@ def default_setup(args: argparse.Namespace, table: str) -> Setup:
     notes = [f"trained default target, experts widened to {expert_mb} MB (same function, real routing); "
              f"prompts: {args.prompt_len} tokens of held-out stdlib files"]
     return Setup(f"default model, {expert_mb} MB experts", target, Path(args.draft), prompts,
-                 args.budgets or ["25%", "50%"], False, notes, built)
+                 budgets, False, notes, built)
 
 
 def plan_rows(setup: Setup, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> list[PlannedRow]:
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     deadline = time.perf_counter() + args.deadline_s
     device, dtype = torch.device(args.device), resolve_dtype(args.dtype, args.device)
-    setup = olmoe_setup(args, device, dtype) if args.table == "olmoe-shape" else default_setup(args, args.table)
+    setup = olmoe_setup(args, device, dtype) if args.table == "olmoe-shape" else default_setup(args, args.table, args.budgets or ["25%", "50%"])
     print(f"checkpoint ready after {args.deadline_s - (deadline - time.perf_counter()):.0f} s", flush=True)
     step = step_bytes(setup.target, dtype, context_tokens=args.prompt_len + args.tokens / 2)
     bw = measure_bandwidths(device, h2d_bytes=step.expert_bytes)
