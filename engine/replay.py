@@ -20,7 +20,7 @@ import heapq
 import json
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import groupby
 from pathlib import Path
@@ -117,18 +117,21 @@ class OfflineOptimum(LRUPolicy):
 
     def __init__(self, runs: Sequence[LayerRun]) -> None:
         super().__init__()
-        self.position = -1  # index of the run being replayed
+        self._position = -1  # index of the run being replayed: the replay begins each run in order
         self._uses: dict[Key, list[int]] = {}  # key -> indices of the runs that need it, ascending
         for i, run in enumerate(runs):
             for e in run.experts:
                 self._uses.setdefault((run.layer, e), []).append(i)
 
-    def victims(self, candidates, n: int) -> list[Key]:
+    def begin_run(self, layer: int) -> None:
+        self._position += 1
+
+    def victims(self, candidates: Collection[Key], n: int) -> list[Key]:
         return heapq.nlargest(n, candidates, key=self._next_use)
 
     def _next_use(self, key: Key) -> float:
         uses = self._uses.get(key, [])
-        i = bisect.bisect_right(uses, self.position)
+        i = bisect.bisect_right(uses, self._position)
         return uses[i] if i < len(uses) else float("inf")
 
 
@@ -143,9 +146,7 @@ def simulate(trace: Trace, capacity: int, policy: str, predictor: str) -> Expert
     table = SlotTable(capacity, _policy(policy, trace))
     stats = ExpertStats(trace.num_layers)
     guesses: dict[int, list[int]] = {}
-    for position, run in enumerate(trace.runs):
-        if isinstance(table.policy, OfflineOptimum):
-            table.policy.position = position
+    for run in trace.runs:
         table.policy.begin_run(run.layer)
         table.policy.observe_scores(run.layer, [run.scores.get(e, 0.0) for e in range(trace.num_experts)])
         if run.layer in guesses:
