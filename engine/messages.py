@@ -75,18 +75,24 @@ class EngineFailed:
 class MetricsSnapshot:
     """Cumulative engine-side counters; the server turns them into Prometheus series."""
 
-    cache_hits_per_layer: tuple[int, ...]
-    cache_misses_per_layer: tuple[int, ...]
-    resident_experts: int
-    pcie_bytes_demand: int
-    pcie_bytes_prefetch: int
-    pcie_wait_seconds: float
-    prefetch_used: int
-    prefetch_wasted: int
-    spec_drafts: int
-    spec_draft_tokens: int
-    spec_accepted_tokens: int
-    cpu_expert_computations: int
-    num_running: int
-    num_waiting: int
+    cache_hits_per_layer: tuple[int, ...] = ()
+    cache_misses_per_layer: tuple[int, ...] = ()
+    resident_experts: int = 0
+    pcie_bytes_demand: int = 0
+    pcie_bytes_prefetch: int = 0
+    pcie_wait_seconds: float = 0.0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_steps: int = 0
+    spec_accepted_at_position: tuple[int, ...] = ()  # [i]: times draft position i was kept
+    spec_needed_per_layer: tuple[int, ...] = ()  # [l]: experts verify passes routed to
+    spec_predicted_needed_per_layer: tuple[int, ...] = ()  # [l]: of those, the ones the draft phase predicted
+    spec_draft_seconds: float = 0.0
+    spec_verify_seconds: float = 0.0
+    cpu_expert_computations: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
     tpot_samples: tuple[float, ...] = ()  # per-token times observed since the last snapshot

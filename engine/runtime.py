@@ -91,6 +91,8 @@ class Runtime:
             "mean_accepted_length": accepted / drafts if drafts else 0.0,
             "prediction_accuracy": predicted / needed if needed else None,
             "verify_steps": now.verify_steps - base.verify_steps,
+            "draft_seconds": now.draft_seconds - base.draft_seconds,
+            "verify_seconds": now.verify_seconds - base.verify_seconds,
         }
 
     def metrics_snapshot(self, *, num_running: int, num_waiting: int, tpot_samples: tuple[float, ...]) -> MetricsSnapshot:
@@ -108,6 +110,12 @@ class Runtime:
             spec_drafts=self.spec_stats.drafts,
             spec_draft_tokens=self.spec_stats.draft_tokens,
             spec_accepted_tokens=self.spec_stats.accepted_tokens,
+            spec_verify_steps=self.spec_stats.verify_steps,
+            spec_accepted_at_position=tuple(self.spec_stats.accepted_at_position),
+            spec_needed_per_layer=tuple(self.spec_stats.needed_per_layer),
+            spec_predicted_needed_per_layer=tuple(self.spec_stats.predicted_needed_per_layer),
+            spec_draft_seconds=self.spec_stats.draft_seconds,
+            spec_verify_seconds=self.spec_stats.verify_seconds,
             cpu_expert_computations=total.cpu_expert_computations,
             num_running=num_running,
             num_waiting=num_waiting,

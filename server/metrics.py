@@ -22,10 +22,6 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 _GAUGE_FIELDS = frozenset({"resident_experts", "num_running", "num_waiting", "tpot_samples"})
 
 
-def empty_snapshot() -> MetricsSnapshot:
-    return MetricsSnapshot((), (), 0, 0, 0, 0.0, 0, 0, 0, 0, 0, 0, 0, 0)
-
-
 def _add(a: MetricsSnapshot, b: MetricsSnapshot) -> MetricsSnapshot:
     """a + b over the cumulative counters (per-layer tuples element-wise); b's gauges."""
     summed = {}
@@ -45,8 +41,8 @@ def _add(a: MetricsSnapshot, b: MetricsSnapshot) -> MetricsSnapshot:
 class EngineSnapshotCollector(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()  # snapshots arrive on the supervisor thread, scrapes on the loop
-        self._retired = empty_snapshot()  # what engine processes that have died had counted
-        self._latest = empty_snapshot()
+        self._retired = MetricsSnapshot()  # what engine processes that have died had counted
+        self._latest = MetricsSnapshot()
 
     def update(self, snapshot: MetricsSnapshot) -> None:
         with self._lock:
@@ -54,7 +50,7 @@ class EngineSnapshotCollector(Collector):
 
     def engine_lost(self) -> None:
         with self._lock:
-            self._retired, self._latest = _add(self._retired, self._latest), empty_snapshot()
+            self._retired, self._latest = _add(self._retired, self._latest), MetricsSnapshot()
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
@@ -76,6 +72,16 @@ class EngineSnapshotCollector(Collector):
                                   value=s.spec_draft_tokens)
         yield CounterMetricFamily("moe_spec_accepted_tokens", "Draft tokens accepted by verification.",
                                   value=s.spec_accepted_tokens)
+        yield CounterMetricFamily("moe_spec_verify_steps", "Target verify passes (prefill excluded).",
+                                  value=s.spec_verify_steps)
+        yield _labelled("moe_spec_accepted_at_position", "Draft tokens kept, by position in the draft (0 = first).",
+                        "position", {str(i): v for i, v in enumerate(s.spec_accepted_at_position)})
+        yield _per_layer("moe_spec_needed_experts", "Experts verify passes routed to.", s.spec_needed_per_layer)
+        yield _per_layer("moe_spec_predicted_experts",
+                         "Experts verify passes routed to that the draft-phase predictor had predicted.",
+                         s.spec_predicted_needed_per_layer)
+        yield _labelled("moe_spec_phase_seconds", "Wall seconds of the draft and verify phases.", "phase",
+                        {"draft": s.spec_draft_seconds, "verify": s.spec_verify_seconds})
         yield CounterMetricFamily("moe_cpu_expert_computations", "Expert computations run on the CPU.",
                                   value=s.cpu_expert_computations)
         yield GaugeMetricFamily("moe_num_requests_running", "Engine requests being decoded.", value=s.num_running)

@@ -146,6 +146,7 @@ def test_speculative_runtime_equals_plain_greedy(checkpoints, tmp_path, spec):
     assert tokens == hf_greedy("qwen3_moe")
     assert stats["verify_steps"] > 0
     assert 0.0 <= stats["acceptance_rate"] <= 1.0
+    assert stats["draft_seconds"] > 0 and stats["verify_seconds"] > 0
 
 
 def test_record_routing_writes_one_line_per_position_and_layer(checkpoints, tmp_path):

@@ -45,9 +45,10 @@ def _prometheus_binary() -> str:
 
 @pytest.fixture(scope="module")
 def busy_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """Self-speculation, half the experts resident and prefetching, so every panel has something to show."""
+    """Self-speculation, half the experts resident and prefetching (the draft phase too, for every MoE
+    layer: the cutoff is past the last), so every panel has something to show."""
     running = start_server(tiny_model, tmp_path_factory.mktemp("logs"), "--spec", "self",
-                           "--gpu-expert-budget", "50%", "--prefetch", "next-layer")
+                           "--gpu-expert-budget", "50%", "--prefetch", "next-layer", "--spec-cutoff", "64")
     yield running
     running.stop()
 
