@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                 shift = (round_ + i) % len(arms)
                 for j in [*range(shift, len(arms)), *range(shift)]:
                     arms[j].runs.append(engine_generate(cores[j], f"r{round_}-p{i}", prompt, args.tokens))
-                    quiesce(cores[j], device)
+                    quiesce(device)
                 outputs = {arm.runs[-1].tokens for arm in arms}
                 result["pairs"].append({"round": round_, "prompt": i, "same_tokens": len(outputs) == 1,
                                         "tpot_s": [arm.runs[-1].tpot_s for arm in arms]})
@@ -189,10 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     print((Path(args.out) / f"{args.stem}.md").read_text())
 
 
-def quiesce(core: EngineCore, device: torch.device) -> None:
+def quiesce(device: torch.device) -> None:
     """Let an arm's leftover prefetches land before the next arm starts: PCIe is shared."""
-    if core.runtime.runner is not None:
-        core.runtime.runner.wait_prefetch_idle()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -6,8 +6,8 @@ Hazards on CUDA and how each is ordered without a global synchronize:
   * write-after-read: when compute releases a slot it records a marker on the compute stream;
     the next copy into that slot makes its copy stream wait on the marker first;
   * write-after-write: a slot whose copy is in flight is never chosen as a victim.
-On CPU copies are plain synchronous copies and a threading.Event plays the CUDA event's part,
-so the prefetch worker still runs concurrently with compute and the same rules are exercised.
+On CPU copies are plain synchronous copies and a HostReady plays the CUDA event's part.
+Only the compute thread calls the cache (prefetches included), so it holds no lock.
 """
 from __future__ import annotations
 
@@ -214,7 +214,6 @@ class ExpertCache:
         self._slots = torch.empty(self.capacity, self.layout.numel, dtype=self.layout.dtype,
                                   device=self.device)  # [S, numel]
         self._table = SlotTable(self.capacity, policy)
-        self._lock = threading.Lock()
         cuda = self.device.type == "cuda"
         self._copier = _CudaCopier(self.device, copy_fn) if cuda else _HostCopier(copy_fn)
         self._ready: dict[Key, Ready] = {}  # copy handle of each in-flight key
@@ -234,17 +233,14 @@ class ExpertCache:
 
     @property
     def resident_experts(self) -> int:
-        with self._lock:
-            return len(self._table)
+        return len(self._table)
 
     def begin_run(self, layer: int) -> None:
         """A run of `layer` begins (once, before its waves): the policy's clock."""
-        with self._lock:
-            self._table.policy.begin_run(layer)
+        self._table.policy.begin_run(layer)
 
     def observe_scores(self, layer: int, scores: Sequence[float]) -> None:
-        with self._lock:
-            self._table.policy.observe_scores(layer, scores)
+        self._table.policy.observe_scores(layer, scores)
 
     def acquire(self, layer: int, experts: Sequence[int], *, whole: bool = False) -> Wave:
         """Pin the resident experts, start demand copies for as many missing ones as fit.
@@ -253,20 +249,19 @@ class ExpertCache:
         CUDA graph computes all of a layer's experts at once and cannot run a second wave)."""
         keys = [(layer, e) for e in experts]
         while True:
-            with self._lock:
-                self._refresh_in_flight()
-                fits = not whole or self._table.can_hold(keys)
-                plan = self._table.plan_wave(keys) if fits else None
-                if plan is not None and (plan.hits or plan.misses.placed or not keys):
-                    work = self._start_copies(plan.misses.placed, demand_layer=layer)
-                    self.stats.add_wave(layer, plan, self.layout.nbytes)
-                    wave = self._wave(layer, plan.hits, plan.misses.placed, plan.misses.unplaced)
-                    break
-                blocker = self._oldest_in_flight()
+            self._refresh_in_flight()
+            fits = not whole or self._table.can_hold(keys)
+            plan = self._table.plan_wave(keys) if fits else None
+            if plan is not None and (plan.hits or plan.misses.placed or not keys):
+                work = self._start_copies(plan.misses.placed, demand_layer=layer)
+                self.stats.add_wave(layer, plan, self.layout.nbytes)
+                wave = self._wave(layer, plan.hits, plan.misses.placed, plan.misses.unplaced)
+                break
+            blocker = self._oldest_in_flight()
             try:
                 blocker.synchronize()  # every unpinned slot is still being filled: let one land
             except RuntimeError:
-                pass  # that prefetch failed: the refresh drops it, the worker reports the error
+                pass  # that prefetch failed (raised where it started): the refresh drops it
         try:
             work()
         except BaseException:
@@ -276,36 +271,32 @@ class ExpertCache:
 
     def missing(self, layer: int, experts: Sequence[int]) -> list[int]:
         """The `experts` of `layer` that are not resident (nor being copied) right now."""
-        with self._lock:
-            return [e for e in experts if (layer, e) not in self._table]
+        return [e for e in experts if (layer, e) not in self._table]
 
     def wait_pending(self, wave: Wave) -> None:
         """Make compute wait until every copy of the wave has landed (GPU-side waits on CUDA)."""
         if not wave.pending:
             return
         self._copier.compute_wait(wave.layer, list(wave.pending.values()))
-        with self._lock:
-            for expert, ready in wave.pending.items():
-                if self._ready.get((wave.layer, expert)) is ready:
-                    del self._ready[(wave.layer, expert)]
-                    self._table.complete((wave.layer, expert))
+        for expert, ready in wave.pending.items():
+            if self._ready.get((wave.layer, expert)) is ready:
+                del self._ready[(wave.layer, expert)]
+                self._table.complete((wave.layer, expert))
 
     def release(self, wave: Wave) -> None:
         marker = self._copier.release_marker()
-        with self._lock:
-            for key in wave.keys:
-                self._table.unpin(key)
-                if marker is not None:
-                    self._released[self._table.slot_of(key)] = marker
+        for key in wave.keys:
+            self._table.unpin(key)
+            if marker is not None:
+                self._released[self._table.slot_of(key)] = marker
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Copy the non-resident `experts` ahead of need (called on the prefetch worker thread)."""
-        with self._lock:
-            self._refresh_in_flight()
-            wanted = [(layer, e) for e in experts if (layer, e) not in self._table]
-            placement = self._table.place(wanted, pin=False, prefetched=True)
-            work = self._start_copies(placement.placed, demand_layer=None)
-            self.stats.add_prefetch(layer, placement, self.layout.nbytes)
+        """Start copying the non-resident `experts` ahead of need, on the prefetch stream."""
+        self._refresh_in_flight()
+        wanted = [(layer, e) for e in experts if (layer, e) not in self._table]
+        placement = self._table.place(wanted, pin=False, prefetched=True)
+        work = self._start_copies(placement.placed, demand_layer=None)
+        self.stats.add_prefetch(layer, placement, self.layout.nbytes)
         work()
 
     def finish_step(self) -> None:
@@ -350,11 +341,9 @@ class ExpertCache:
     def _preload(self, num_layers: int, num_experts: int) -> None:
         """The budget holds every expert: fill the cache once at start-up, no misses later."""
         keys = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
-        with self._lock:
-            placement = self._table.place(keys, pin=False, prefetched=False)
-            work = self._start_copies(placement.placed, demand_layer=None)
+        placement = self._table.place(keys, pin=False, prefetched=False)
+        work = self._start_copies(placement.placed, demand_layer=None)
         work()
-        with self._lock:
-            for ready in self._ready.values():
-                ready.synchronize()
-            self._refresh_in_flight()
+        for ready in self._ready.values():
+            ready.synchronize()
+        self._refresh_in_flight()

@@ -40,7 +40,6 @@ from engine.experts.cpu_experts import (
 )
 from engine.experts.policies import MRSPolicy, make_policy
 from engine.experts.predictor import Guess, NextLayerPredictor, token_topk
-from engine.experts.prefetch import PrefetchWorker
 from engine.experts.routing import LayerRouting, resident_first
 from engine.experts.stats import StatsSnapshot
 from engine.experts.streaming import layer_waves, stream_guess, streams
@@ -139,14 +138,12 @@ class CachedExpertRunner:
         self.cache = ExpertCache(store, budget, eviction, device, top_k, copy_fn)
         self.prefetch_mode = prefetch
         self.stream_prefill = stream_prefill
-        self._worker: PrefetchWorker | None = None  # speculative decoding's prefetches only
         self._observer = observer
         self._router_weights: list[torch.Tensor] = []
         self._predictor: NextLayerPredictor | None = None
         self._cpu: CpuExperts | None = None
         if cpu_experts == "auto" and self.cache.resident_slots is None:  # all resident: nothing is ever missed
             self._cpu = CpuExperts(store, cpu_costs or profile_costs(store, self.cache.device))
-        self._runs = 0  # layer runs started, the prefetch worker's clock
         self._capture: tuple[Callable[[], None], list[CapturedLayer]] | None = None
         self._held: _Held | None = None
         self._recording: dict[int, set[int]] | None = None
@@ -170,7 +167,6 @@ class CachedExpertRunner:
             raise RuntimeError("prefetch='next-layer' needs set_router_weights(model.router_weights()) first")
         if self._capture is not None:  # nothing runs now, so nothing is counted
             return self._run_captured(x, routing)
-        self._runs += 1
         if self.graph_safe and (x.shape[0] == 1 or _capturing(x)):
             return self._run_resident(x, routing)
         layer = routing.layer
@@ -206,20 +202,9 @@ class CachedExpertRunner:
         return None
 
     @property
-    def layer_runs(self) -> int:
-        """MoE layer runs started so far: the clock prefetch deadlines are measured in."""
-        return self._runs
-
-    @property
     def cpu_costs(self) -> ExpertCosts | None:
         """The cost model deciding which misses run on the CPU; None when --cpu-experts is off."""
         return self._cpu.costs if self._cpu is not None else None
-
-    def prefetch_worker(self) -> PrefetchWorker:
-        """The prefetch thread for speculative decoding's predictions, started on first use."""
-        if self._worker is None:
-            self._worker = PrefetchWorker(self.cache, lambda: self._runs)
-        return self._worker
 
     @property
     def graph_safe(self) -> bool:
@@ -285,7 +270,6 @@ class CachedExpertRunner:
         """The host's part of a replayed step between the segment ending at `captured` and the next:
         the layer's one sync (its routing), its experts made resident in one wave, their slots
         handed to the next segment. Call right after replaying the segment that ends here."""
-        self._runs += 1
         self._release_held()  # the previous layer's compute is enqueued: its slots may go
         layer = captured.layer
         self.cache.begin_run(layer)
@@ -325,8 +309,6 @@ class CachedExpertRunner:
     def finish_step(self) -> None:
         """Call once per engine step, after the step's natural sync (the sampled token was read)."""
         self.cache.finish_step()
-        if self._worker is not None:
-            self._worker.raise_if_failed()
 
     def stats(self) -> StatsSnapshot:
         return self.cache.stats.snapshot()
@@ -335,16 +317,9 @@ class CachedExpertRunner:
     def resident_experts(self) -> int:
         return self.cache.resident_experts
 
-    def wait_prefetch_idle(self) -> None:
-        """Block until queued prefetches are done (tests and benchmarks that want determinism)."""
-        if self._worker is not None:
-            self._worker.wait_idle()
-
     def close(self) -> None:
         if self._cpu is not None:
             self._cpu.close()
-        if self._worker is not None:
-            self._worker.close()
 
     def _read_back(self, routing: LayerRouting, guess: Guess | None) -> ReadBack:
         """The layer's one host sync: its routing, MRS scores and the next-layer guess in one transfer."""

@@ -1,7 +1,7 @@
 """Per-layer counters of the expert cache, prefetcher and predictor (plain Python, no torch).
 
-Written by the compute thread and the prefetch worker, read by the engine's metrics snapshot,
-hence the lock. The replay tool fills the same counters from a trace.
+Written by the compute thread, read by the engine's metrics snapshot; the lock keeps a snapshot
+whole. The replay tool fills the same counters from a trace.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ class LayerStats:
     prefetch_used: int = 0  # prefetched experts later used by compute
     prefetch_wasted: int = 0  # prefetched experts evicted before any use
     prefetch_dropped: int = 0  # predicted experts not prefetched: no slot could be freed
-    prefetch_stale: int = 0  # prefetch tasks skipped because their layer had already started
     waves: int = 0  # compute waves (1 per layer run unless the cache cannot hold its experts)
     predicted_correct: int = 0  # |predicted ∩ used| for the next-layer predictor
     predicted_needed: int = 0  # |used| for the layer runs the predictor had a guess for

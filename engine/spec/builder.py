@@ -8,7 +8,6 @@ from engine.config import EngineConfig
 from engine.decode import BoundModel
 from engine.experts.runner import CachedExpertRunner
 from engine.spec.config import SpecConfig
-from engine.spec.cross_model import WorkerPrefetch
 from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.loop import Drafter, SpecDecoder
 from engine.spec.profile import SpecProfile, plan_cutoff, profile_drafting, profile_expert_load
@@ -40,14 +39,13 @@ def _self_decoder(spec: SpecConfig, target: BoundModel, runner: CachedExpertRunn
     cfg = target.model.config
     if not _prefetching(runner):
         return SelfSpecDecoder(target, spec, stats=stats)
-    sink = WorkerPrefetch(runner.prefetch_worker(), lambda: runner.layer_runs, spec.gamma * cfg.num_moe_layers)
     profile = SpecProfile(profile_drafting(Drafter(target, moe_top_r=spec.top_r), cfg.num_layers),
                           profile_expert_load(runner.layout.nbytes, target.device))
     cutoff = plan_cutoff(spec, cfg, cfg.num_layers, cfg.top_k - spec.top_r, runner.layout.nbytes,
                          runner.cache.capacity, profile)
     log.info("SS-MoE self-draft: top-r=%d, prefetching the k-r extra experts of MoE layers < %d; profile %s",
              spec.top_r, cutoff, profile)
-    return SelfSpecDecoder(target, spec, sink, cutoff, stats)
+    return SelfSpecDecoder(target, spec, runner.cache, cutoff, stats)
 
 
 def _draft_decoder(spec: SpecConfig, target: BoundModel, draft: BoundModel, runner: CachedExpertRunner | None,
@@ -55,8 +53,7 @@ def _draft_decoder(spec: SpecConfig, target: BoundModel, draft: BoundModel, runn
     cfg, depth = target.model.config, draft.model.config.num_layers
     if not _prefetching(runner):
         return DraftSpecDecoder(target, draft, spec, stats=stats)
-    sink = WorkerPrefetch(runner.prefetch_worker(), lambda: runner.layer_runs, 0)
     profile = SpecProfile(profile_drafting(Drafter(draft), depth), profile_expert_load(runner.layout.nbytes, draft.device))
     cutoff = plan_cutoff(spec, cfg, depth, cfg.top_k, runner.layout.nbytes, runner.cache.capacity, profile)
     log.info("SP-MoE draft: cross-model prefetch for target MoE layers < %d; profile %s", cutoff, profile)
-    return DraftSpecDecoder(target, draft, spec, sink, cutoff, stats)
+    return DraftSpecDecoder(target, draft, spec, runner.cache, cutoff, stats)

@@ -1,29 +1,35 @@
-"""Predicting the verify pass's experts while drafting (SP-MoE Algorithm 1).
+"""Predicting the verify pass's experts while drafting, and prefetching them (SP-MoE Algorithms 1 and 2).
 
 At each drafting layer that the layer map ties to target MoE layers, the drafting model's
 attention output h (the residual stream after attention, which the model hands to
 `on_attention_output`) goes through the *target's* post-attention norm and router; the top-k
 experts are what the verify pass will likely route this token to. The hook only writes them into
-a fixed device buffer, so a drafting forward replayed as a CUDA graph computes them too; after
-each drafted token they become prefetch tasks, so the copies overlap the rest of drafting (one
-draft token of a small model is far shorter than one expert copy). The worker drops experts that
-are already resident or in flight (Algorithm 1's cached-queue check, done where the cache lock
-is held). The verify pass's own routing, read back by the expert runner, scores the predictions.
+a fixed device buffer, so a drafting forward replayed as a CUDA graph computes them too.
+
+After each drafting forward is launched, its predictions are copied to pinned host memory with an
+event recorded behind the copy (Algorithm 1's task), and the *previous* drafted token's
+predictions, whose event has fired, go to the expert cache as prefetches (Algorithm 2's worker,
+run by the compute thread): the next drafting forward is already queued, so the cache's
+bookkeeping and the copy launches run while the GPU drafts, and the last token's go right before
+the verify pass. Experts already handed over this round, or resident, are dropped (Algorithm 1's
+cached-queue check). A worker thread doing the same work fought the compute thread for the GIL:
+on the GPU, with 12.6 MB experts at half the experts cached and gamma 8, it made SP-MoE 1.19x plain
+SD's TPOT against 1.08x for this hand-over (draft phase 0.64 -> 1.00 ms per token against 0.85);
+the next-layer predictor had taught the same lesson (engine/experts/predictor.py).
+The verify pass's own routing, read back by the expert runner, scores the predictions.
 
 The same predictor serves self-speculation: there the drafting model is the target itself running
-r of its top-k experts and the layer map is the identity; the worker drops the experts the draft
+r of its top-k experts and the layer map is the identity; the cache drops the experts the draft
 just ran (resident), which leaves SS-MoE's incremental loads of the others.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 
-from engine.experts.prefetch import PrefetchTask, PrefetchWorker
 from engine.models.blocks import CausalLM, MoEBlock
 from engine.spec.stats import SpecStats
 
@@ -31,9 +37,8 @@ RouteFn = Callable[[int, torch.Tensor], torch.Tensor]  # (target MoE layer, h [T
 
 
 class PrefetchSink(Protocol):
-    def submit(self, layers: Sequence[int], experts: torch.Tensor) -> None:
-        """Queue experts [M, m] (int64, any device): row i, most important first, for target MoE
-        layer layers[i]. One call per drafted token."""
+    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
+        """Start copying the non-resident `experts` of MoE `layer` ahead of need (ExpertCache.prefetch)."""
         ...
 
 
@@ -49,34 +54,6 @@ def target_router(model: CausalLM) -> RouteFn:
     return route
 
 
-class WorkerPrefetch:
-    """Hands predictions to the PrefetchWorker without synchronising the compute stream.
-
-    The expert ids stay on the device; a non-blocking copy to pinned host memory and an event
-    recorded after it let the worker (not compute) wait for them (Algorithm 1, lines 7-8): one
-    copy and one event per drafted token, shared by its layers' tasks, since drafting steps are
-    short and the compute thread launches them.
-    `progress()` counts MoE layer runs started (the runner's clock). A task for MoE layer m is
-    stale once the verify pass has started m, i.e. after at most `lead_runs` more drafting runs
-    (0 for a dense draft; gamma * MoE layers bounds a self-draft) plus m + 1 verify runs.
-    """
-
-    def __init__(self, worker: PrefetchWorker, progress: Callable[[], int], lead_runs: int) -> None:
-        self.worker, self.progress, self.lead_runs = worker, progress, lead_runs
-
-    def submit(self, layers: Sequence[int], experts: torch.Tensor) -> None:
-        ready = None
-        if experts.is_cuda:
-            host = experts.to("cpu", non_blocking=True)  # [M, m]
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host = experts.clone()  # [M, m] the caller may reuse its tensor
-        now = self.progress() + self.lead_runs
-        for layer, row in zip(layers, host, strict=True):
-            self.worker.submit(PrefetchTask(layer, row, ready, now + layer + 1))
-
-
 class CrossModelPredictor:
     def __init__(self, target: CausalLM, draft_to_target: tuple[tuple[int, ...], ...], sink: PrefetchSink) -> None:
         """draft_to_target[d]: target MoE layers predicted at drafting layer d (layer_map.layer_map)."""
@@ -87,7 +64,10 @@ class CrossModelPredictor:
         # the latest drafted token's top-k per predicted MoE layer: a fixed address a graph writes
         self._latest = torch.zeros(len(self._layers), target.config.top_k, dtype=torch.long,
                                    device=target.device)  # [M, k]
-        self.predicted: dict[int, list[torch.Tensor]] = defaultdict(list)  # MoE layer -> [k] ids per drafted token
+        self._host: list[torch.Tensor] = []  # pinned [M, k] per draft position, reused every round
+        self._copied: list[torch.cuda.Event | None] = []  # this round's hand-overs: [i] fired once host[i] is written
+        self._predicted: list[list[list[int]]] = []  # this round's placed predictions: [token][row] -> k ids
+        self._handed: set[tuple[int, int]] = set()  # (MoE layer, expert) already prefetched this round
         self.needed: dict[int, set[int]] = {}  # MoE layer -> experts the verify pass ran
 
     def on_draft_attention(self, layer: int, h: torch.Tensor) -> None:
@@ -97,29 +77,51 @@ class CrossModelPredictor:
             self._latest[self._row[moe_layer]].copy_(self.route(moe_layer, h[-1:])[0])
 
     def after_draft_token(self) -> None:
-        """After each drafting forward: its predictions become prefetch tasks, in one hand-over."""
-        latest = self._latest.clone()  # [M, k] the next drafting forward rewrites _latest
-        for moe_layer, row in self._row.items():
-            self.predicted[moe_layer].append(latest[row])
-        self.sink.submit(self._layers, latest)
+        """Right after a drafting forward is queued: copy its predictions to the host, then prefetch
+        the previous token's while the GPU drafts."""
+        i = len(self._copied)
+        if i == len(self._host):
+            self._host.append(torch.empty(self._latest.shape, dtype=torch.long, pin_memory=self._latest.is_cuda))
+        self._host[i].copy_(self._latest, non_blocking=True)  # stream-ordered before the next forward rewrites it
+        copied = None
+        if self._latest.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self._copied.append(copied)
+        self._prefetch(upto=i)
+
+    def _prefetch(self, upto: int) -> None:
+        """Hand over the predictions of draft positions len(_predicted)..upto-1."""
+        for i in range(len(self._predicted), upto):
+            if self._copied[i] is not None:
+                self._copied[i].synchronize()  # fired already: the loop read that token on the host since
+            rows = self._host[i].tolist()  # [M][k]
+            self._predicted.append(rows)
+            for moe_layer, row in zip(self._layers, rows):
+                fresh = [e for e in row if (moe_layer, e) not in self._handed]
+                if fresh:
+                    self._handed.update((moe_layer, e) for e in fresh)
+                    self.sink.prefetch(moe_layer, fresh)
 
     @contextmanager
     def verifying(self) -> Iterator[None]:
-        """Around the verify pass: what its MoE layers ran is what the predictions are scored against."""
+        """Around the verify pass: the last drafted token's predictions go first; what its MoE
+        layers ran is what the predictions are scored against."""
+        self._prefetch(upto=len(self._copied))
         with self.runner.recording() as used:
             yield
         self.needed = used
 
     def finish_round(self, stats: SpecStats) -> None:
         """Fold this draft/verify round into the per-layer accuracy counters and start afresh."""
-        for moe_layer, predicted in self.predicted.items():
-            stats.record_prediction(moe_layer, _ids(predicted), self.needed.get(moe_layer, set()))
+        for moe_layer, row in self._row.items():
+            predicted = {e for rows in self._predicted for e in rows[row]}
+            if predicted:
+                stats.record_prediction(moe_layer, predicted, self.needed.get(moe_layer, set()))
         self.reset()
 
     def reset(self) -> None:
-        self.predicted.clear()
+        self._copied.clear()
+        self._predicted.clear()
+        self._handed.clear()
         self.needed = {}
-
-
-def _ids(tensors: list[torch.Tensor]) -> set[int]:
-    return set(torch.cat([t.reshape(-1) for t in tensors]).tolist()) if tensors else set()

@@ -6,8 +6,8 @@ so the cache after a step equals a fresh prefill of the accepted text. Each draf
 r of its top-k experts, resident ones first (the runner picks them: a draft only has to be
 cheap, the verify pass decides what is kept). While drafting, the draft's router scores of each
 layer name the top-k the verify pass will need; the ones not resident (the k - r extra, plus any
-top-r expert the draft swapped for a resident one) are queued for the prefetch worker after
-each drafted token.
+top-r expert the draft swapped for a resident one) are prefetched one drafted token later
+(cross_model.py).
 """
 from __future__ import annotations
 

@@ -72,7 +72,8 @@ def test_whole_acquire_waits_for_in_flight_copies_instead_of_splitting(store) ->
         dst.copy_(src)
 
     cache = ExpertCache(store, store.layout.nbytes * 2, LRUPolicy(), "cpu", top_k=2, copy_fn=slow_copy)
-    prefetcher = threading.Thread(target=cache.prefetch, args=(1, [0]))  # holds one slot while in flight
+    # a thread stands in for an asynchronous copy engine: the prefetch holds one slot while in flight
+    prefetcher = threading.Thread(target=cache.prefetch, args=(1, [0]))
     prefetcher.start()
     while cache.resident_experts == 0:
         threading.Event().wait(0.001)
@@ -84,3 +85,35 @@ def test_whole_acquire_waits_for_in_flight_copies_instead_of_splitting(store) ->
     cache.wait_pending(wave)
     assert all(torch.equal(r, store.row(0, e)) for e, r in wave.rows(landed=False).items())
     cache.release(wave)
+
+
+def test_failed_prefetch_is_forgotten_not_served(store) -> None:
+    broken = threading.Event()
+    broken.set()
+
+    def flaky_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        if broken.is_set():
+            raise OSError("bad copy")
+        dst.copy_(src)
+
+    cache = ExpertCache(store, 4 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2, copy_fn=flaky_copy)
+    with pytest.raises(OSError):
+        cache.prefetch(0, [3])
+    broken.clear()
+    wave = cache.acquire(0, [3])  # the failed copy is dropped, then copied on demand
+    assert not wave.rows(landed=True) and list(wave.pending) == [3]
+    cache.wait_pending(wave)
+    assert torch.equal(wave.rows(landed=False)[3], store.row(0, 3))
+    cache.release(wave)
+    assert cache.stats.snapshot().per_layer[0].misses == 1
+
+
+def test_a_prefetch_without_free_slots_drops_the_rest(store) -> None:
+    cache = ExpertCache(store, 2 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2)
+    wave = cache.acquire(0, [0, 1])  # both slots pinned by compute
+    cache.prefetch(1, [4, 5])
+    cache.release(wave)
+    cache.prefetch(1, [4, 5, 6])  # two slots free up, the third expert has none
+    layer1 = cache.stats.snapshot().per_layer[1]
+    assert (layer1.prefetch_dropped, layer1.prefetch_bytes) == (3, 2 * store.layout.nbytes)
+    assert cache.stats.snapshot().per_layer[0].evictions == 2

@@ -6,7 +6,6 @@ from pathlib import Path
 import torch
 
 from engine.decode import BoundModel, Decoder
-from engine.experts.prefetch import PrefetchWorker
 from engine.experts.runner import CachedExpertRunner
 from engine.experts.store import ExpertStore
 from engine.graphs import GraphedDecode
@@ -18,7 +17,6 @@ from engine.models.config import ModelConfig
 from engine.sampling import make_generator
 from engine.sequence import Sequence
 from engine.spec.config import SpecConfig
-from engine.spec.cross_model import WorkerPrefetch
 from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.self_spec import SelfSpecDecoder
 
@@ -70,22 +68,16 @@ def generate(decoder: Decoder, target: BoundModel, prompt: list[int], params: Sa
     return seq
 
 
-def generate_with_worker_prefetch(target: CausalLM, draft: CausalLM | None, prompt: list[int],
-                                  params: SamplingParams) -> tuple[Sequence, BoundModel, int]:
-    """Speculative decoding (self-draft when draft is None) whose expert predictions go through a real
-    PrefetchWorker into the target's cache; returns the sequence, the bound target and the bytes prefetched."""
+def generate_with_prefetch(target: CausalLM, draft: CausalLM | None, prompt: list[int],
+                           params: SamplingParams) -> tuple[Sequence, BoundModel, int]:
+    """Speculative decoding (self-draft when draft is None) whose expert predictions are prefetched
+    into the target's own cache; returns the sequence, the bound target and the bytes prefetched."""
     cache = target.runner.cache
-    worker = PrefetchWorker(cache, lambda: 0)  # progress 0: no task goes stale in these tests
-    sink = WorkerPrefetch(worker, progress=lambda: 0, lead_runs=0)
     bound = bind(target)
-    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3), prefetch=sink) if draft is None
-               else DraftSpecDecoder(bound, bind(draft), SpecConfig(gamma=3), prefetch=sink))
+    decoder = (SelfSpecDecoder(bound, SpecConfig(gamma=3), prefetch=cache) if draft is None
+               else DraftSpecDecoder(bound, bind(draft), SpecConfig(gamma=3), prefetch=cache))
     before = cache.stats.snapshot().total().prefetch_bytes
-    try:
-        seq = generate(decoder, bound, prompt, params)
-        worker.wait_idle()
-    finally:
-        worker.close()
+    seq = generate(decoder, bound, prompt, params)
     return seq, bound, cache.stats.snapshot().total().prefetch_bytes - before
 
 
@@ -103,5 +95,5 @@ class RecordingSink:
     def __init__(self) -> None:
         self.tasks: list[tuple[int, list[int]]] = []
 
-    def submit(self, layers: list[int], experts: torch.Tensor) -> None:
-        self.tasks += [(layer, row) for layer, row in zip(layers, experts.tolist(), strict=True)]
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        self.tasks.append((layer, list(experts)))

@@ -7,7 +7,7 @@ from spec_harness import (
     assert_kv_matches_prefill,
     bind,
     generate,
-    generate_with_worker_prefetch,
+    generate_with_prefetch,
     load_cached,
     load_dense,
 )
@@ -35,7 +35,7 @@ def test_cuda_speculative_prefetch_keeps_greedy_exact(checkpoint, family: str, m
     plain = bind(target)
     reference = generate(PlainDecoder(plain), plain, PROMPT, GREEDY).output_ids
     draft = load_dense(checkpoint("llama", seed=3), CUDA) if mode == "draft" else None
-    seq, bound, prefetched = generate_with_worker_prefetch(target, draft, PROMPT, GREEDY)
+    seq, bound, prefetched = generate_with_prefetch(target, draft, PROMPT, GREEDY)
     assert seq.output_ids == reference
     assert prefetched > 0
     assert_kv_matches_prefill(bound, seq.all_ids[:-1])

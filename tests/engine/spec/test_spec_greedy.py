@@ -104,15 +104,16 @@ def test_penalties_follow_the_running_counts(target: CausalLM) -> None:
         assert generate(decoder, bound, PROMPT, params).output_ids == plain_tokens(target, params)
 
 
-def test_self_spec_queues_each_drafted_tokens_top_k_for_prefetch(target: CausalLM) -> None:
-    """The whole top-k goes to the worker, which drops what is resident: the draft may have run a
-    resident expert instead of one of its top-r, and then the verify pass needs that one too."""
+def test_self_spec_hands_each_drafted_tokens_top_k_to_prefetch(target: CausalLM) -> None:
+    """The whole top-k goes to the cache, which drops what is resident: the draft may have run a
+    resident expert instead of one of its top-r, and then the verify pass needs that one too. An
+    expert already handed over in the same round is not handed over again."""
     sink = RecordingSink()
     bound = bind(target)
     decoder = SelfSpecDecoder(bound, SpecConfig(gamma=3, top_r=1), prefetch=sink)
     generate(decoder, bound, PROMPT, GREEDY)
     k, moe_layers = target.config.top_k, target.config.num_moe_layers
-    assert sink.tasks and all(len(experts) == k for _, experts in sink.tasks)
+    assert sink.tasks and all(0 < len(set(experts)) == len(experts) <= k for _, experts in sink.tasks)
     assert {layer for layer, _ in sink.tasks} == set(range(moe_layers))
     accuracy = decoder.stats.predictor_accuracy_per_layer
     assert len(accuracy) == moe_layers and all(0.0 < a <= 1.0 for a in accuracy)
@@ -123,7 +124,7 @@ def test_cutoff_limits_the_prefetched_layers(target: CausalLM, draft: CausalLM) 
     decoder = DraftSpecDecoder(bind(target), bind(draft), SpecConfig(gamma=3), prefetch=sink, cutoff=1)
     generate(decoder, decoder.target, PROMPT, GREEDY)
     assert sink.tasks and {layer for layer, _ in sink.tasks} == {0}
-    assert all(len(experts) == target.config.top_k for _, experts in sink.tasks)
+    assert all(0 < len(experts) <= target.config.top_k for _, experts in sink.tasks)
 
 
 @pytest.mark.parametrize("mode", ["self", "draft"])

@@ -1,18 +1,18 @@
-"""Speculative prefetch through the real PrefetchWorker and expert cache; profiling; adaptive modes."""
+"""Speculative prefetch into the real expert cache and its hand-over order; profiling; adaptive modes."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 import torch
-from spec_harness import CPU, bind, generate, generate_with_worker_prefetch
+from spec_harness import CPU, RecordingSink, bind, generate, generate_with_prefetch
 
 from engine.decode import PlainDecoder
-from engine.experts.prefetch import PrefetchTask
 from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
 from engine.spec.config import SpecConfig
-from engine.spec.cross_model import WorkerPrefetch
+from engine.spec.cross_model import CrossModelPredictor
+from engine.spec.stats import SpecStats
 from engine.spec.loop import Drafter
 from engine.spec.profile import (
     SpecProfile,
@@ -34,26 +34,37 @@ def plain_tokens(model: CausalLM, params: SamplingParams) -> list[int]:
 @pytest.mark.parametrize("mode", ["self", "draft"])
 def test_speculative_prefetch_fills_the_cache_without_changing_tokens(target: CausalLM, draft: CausalLM,
                                                                       mode: str) -> None:
-    seq, _, prefetched = generate_with_worker_prefetch(target, draft if mode == "draft" else None, PROMPT, GREEDY)
+    seq, _, prefetched = generate_with_prefetch(target, draft if mode == "draft" else None, PROMPT, GREEDY)
     assert seq.output_ids == plain_tokens(target, GREEDY)
     assert prefetched > 0
 
 
-def test_one_hand_over_per_drafted_token_becomes_one_task_per_layer() -> None:
-    """Row i goes to layers[i], due when the verify pass (after lead_runs drafting runs) starts it."""
+def test_a_drafted_tokens_predictions_are_handed_over_after_the_next_draft_forward(target: CausalLM) -> None:
+    """Token i's prefetches start once token i+1's drafting forward is queued (the GPU drafts
+    meanwhile), the last token's right before the verify pass, and each expert once per round."""
+    sink = RecordingSink()
+    moe_layers = range(target.config.num_moe_layers)
+    predictor = CrossModelPredictor(target, tuple((m,) for m in moe_layers), sink)
+    gen = torch.Generator().manual_seed(0)
+    hidden = [torch.randn(1, target.config.hidden_size, generator=gen) for _ in range(3)]  # one per drafted token
 
-    class Queue:
-        def __init__(self) -> None:
-            self.tasks: list[PrefetchTask] = []
+    def handed() -> list[tuple[int, int]]:
+        return [(layer, e) for layer, experts in sink.tasks for e in experts]
 
-        def submit(self, task: PrefetchTask) -> None:
-            self.tasks.append(task)
+    def predicted(tokens: list[torch.Tensor]) -> set[tuple[int, int]]:
+        return {(m, e) for h in tokens for m in moe_layers for e in predictor.route(m, h)[0].tolist()}
 
-    queue = Queue()
-    experts = torch.tensor([[3, 1], [0, 7]])
-    WorkerPrefetch(queue, progress=lambda: 10, lead_runs=4).submit([0, 2], experts)
-    experts.fill_(-1)  # the caller reuses its buffer: the tasks hold their own copy
-    assert [(t.layer, t.experts.tolist(), t.due) for t in queue.tasks] == [(0, [3, 1], 15), (2, [0, 7], 17)]
+    for i, h in enumerate(hidden):
+        for layer in moe_layers:
+            predictor.on_draft_attention(layer, h)
+        predictor.after_draft_token()
+        assert set(handed()) == predicted(hidden[:i])
+    with predictor.verifying():
+        pass
+    assert set(handed()) == predicted(hidden) and len(handed()) == len(set(handed()))
+    stats = SpecStats()
+    predictor.finish_round(stats)
+    assert stats.needed_per_layer == [0] * len(moe_layers)  # no verify pass ran inside `verifying`
 
 
 def test_profile_measures_and_leaves_the_drafter_as_it_was(draft: CausalLM) -> None:
