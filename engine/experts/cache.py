@@ -292,8 +292,10 @@ class ExpertCache:
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
         """Start copying the non-resident `experts` ahead of need, on the prefetch stream."""
-        self._refresh_in_flight()
         wanted = [(layer, e) for e in experts if (layer, e) not in self._table]
+        if not wanted:  # all resident or in flight: the common case while drafting, kept cheap
+            return
+        self._refresh_in_flight()
         placement = self._table.place(wanted, pin=False, prefetched=True)
         work = self._start_copies(placement.placed, demand_layer=None)
         self.stats.add_prefetch(layer, placement, self.layout.nbytes)

@@ -6,16 +6,15 @@ attention output h (the residual stream after attention, which the model hands t
 experts are what the verify pass will likely route this token to. The hook only writes them into
 a fixed device buffer, so a drafting forward replayed as a CUDA graph computes them too.
 
-After each drafting forward is launched, its predictions are copied to pinned host memory with an
-event recorded behind the copy (Algorithm 1's task), and the *previous* drafted token's
-predictions, whose event has fired, go to the expert cache as prefetches (Algorithm 2's worker,
-run by the compute thread): the next drafting forward is already queued, so the cache's
-bookkeeping and the copy launches run while the GPU drafts, and the last token's go right before
-the verify pass. Experts already handed over this round, or resident, are dropped (Algorithm 1's
-cached-queue check). A worker thread doing the same work fought the compute thread for the GIL:
-on the GPU, with 12.6 MB experts at half the experts cached and gamma 8, it made SP-MoE 1.19x plain
-SD's TPOT against 1.08x for this hand-over (draft phase 0.64 -> 1.00 ms per token against 0.85);
-the next-layer predictor had taught the same lesson (engine/experts/predictor.py).
+Every drafting forward ends with its logits read on the host (BoundModel.forward), so the
+device is idle when the loop calls `after_draft_token`: the predictions are read then, in one
+small transfer, and the experts not handed over yet this round become prefetches at once
+(Algorithm 1's tasks, issued by the compute thread itself as Algorithm 2's worker would); their
+copies run on the prefetch stream while the next draft forwards compute. The cache drops the
+resident ones (Algorithm 1's cached-queue check). A worker thread doing the same work fought the
+compute thread for the GIL: on the GPU, with 12.6 MB experts at half the experts cached and
+gamma 8, it made SP-MoE 1.19x plain SD's TPOT (the next-layer predictor had taught the same
+lesson, engine/experts/predictor.py); every microsecond of host work here lengthens drafting.
 The verify pass's own routing, read back by the expert runner, scores the predictions.
 
 The same predictor serves self-speculation: there the drafting model is the target itself running
@@ -64,9 +63,7 @@ class CrossModelPredictor:
         # the latest drafted token's top-k per predicted MoE layer: a fixed address a graph writes
         self._latest = torch.zeros(len(self._layers), target.config.top_k, dtype=torch.long,
                                    device=target.device)  # [M, k]
-        self._host: list[torch.Tensor] = []  # pinned [M, k] per draft position, reused every round
-        self._copied: list[torch.cuda.Event | None] = []  # this round's hand-overs: [i] fired once host[i] is written
-        self._predicted: list[list[list[int]]] = []  # this round's placed predictions: [token][row] -> k ids
+        self._predicted: list[list[list[int]]] = []  # this round's predictions: [token][row] -> k ids
         self._handed: set[tuple[int, int]] = set()  # (MoE layer, expert) already prefetched this round
         self.needed: dict[int, set[int]] = {}  # MoE layer -> experts the verify pass ran
 
@@ -77,37 +74,18 @@ class CrossModelPredictor:
             self._latest[self._row[moe_layer]].copy_(self.route(moe_layer, h[-1:])[0])
 
     def after_draft_token(self) -> None:
-        """Right after a drafting forward is queued: copy its predictions to the host, then prefetch
-        the previous token's while the GPU drafts."""
-        i = len(self._copied)
-        if i == len(self._host):
-            self._host.append(torch.empty(self._latest.shape, dtype=torch.long, pin_memory=self._latest.is_cuda))
-        self._host[i].copy_(self._latest, non_blocking=True)  # stream-ordered before the next forward rewrites it
-        copied = None
-        if self._latest.is_cuda:
-            copied = torch.cuda.Event()
-            copied.record()
-        self._copied.append(copied)
-        self._prefetch(upto=i)
-
-    def _prefetch(self, upto: int) -> None:
-        """Hand over the predictions of draft positions len(_predicted)..upto-1."""
-        for i in range(len(self._predicted), upto):
-            if self._copied[i] is not None:
-                self._copied[i].synchronize()  # fired already: the loop read that token on the host since
-            rows = self._host[i].tolist()  # [M][k]
-            self._predicted.append(rows)
-            for moe_layer, row in zip(self._layers, rows):
-                fresh = [e for e in row if (moe_layer, e) not in self._handed]
-                if fresh:
-                    self._handed.update((moe_layer, e) for e in fresh)
-                    self.sink.prefetch(moe_layer, fresh)
+        """After each drafting forward: read its predictions and prefetch what is new this round."""
+        rows = self._latest.tolist()  # [M][k]
+        self._predicted.append(rows)
+        for moe_layer, row in zip(self._layers, rows):
+            fresh = [e for e in row if (moe_layer, e) not in self._handed]
+            if fresh:
+                self._handed.update((moe_layer, e) for e in fresh)
+                self.sink.prefetch(moe_layer, fresh)
 
     @contextmanager
     def verifying(self) -> Iterator[None]:
-        """Around the verify pass: the last drafted token's predictions go first; what its MoE
-        layers ran is what the predictions are scored against."""
-        self._prefetch(upto=len(self._copied))
+        """Around the verify pass: what its MoE layers ran is what the predictions are scored against."""
         with self.runner.recording() as used:
             yield
         self.needed = used
@@ -121,7 +99,6 @@ class CrossModelPredictor:
         self.reset()
 
     def reset(self) -> None:
-        self._copied.clear()
         self._predicted.clear()
         self._handed.clear()
         self.needed = {}

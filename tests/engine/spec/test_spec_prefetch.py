@@ -39,9 +39,8 @@ def test_speculative_prefetch_fills_the_cache_without_changing_tokens(target: Ca
     assert prefetched > 0
 
 
-def test_a_drafted_tokens_predictions_are_handed_over_after_the_next_draft_forward(target: CausalLM) -> None:
-    """Token i's prefetches start once token i+1's drafting forward is queued (the GPU drafts
-    meanwhile), the last token's right before the verify pass, and each expert once per round."""
+def test_each_drafted_tokens_new_predictions_are_prefetched_at_once(target: CausalLM) -> None:
+    """Each drafted token's predictions are prefetched right after its forward, each expert once per round."""
     sink = RecordingSink()
     moe_layers = range(target.config.num_moe_layers)
     predictor = CrossModelPredictor(target, tuple((m,) for m in moe_layers), sink)
@@ -58,10 +57,10 @@ def test_a_drafted_tokens_predictions_are_handed_over_after_the_next_draft_forwa
         for layer in moe_layers:
             predictor.on_draft_attention(layer, h)
         predictor.after_draft_token()
-        assert set(handed()) == predicted(hidden[:i])
+        assert set(handed()) == predicted(hidden[: i + 1])
+    assert len(handed()) == len(set(handed()))
     with predictor.verifying():
         pass
-    assert set(handed()) == predicted(hidden) and len(handed()) == len(set(handed()))
     stats = SpecStats()
     predictor.finish_round(stats)
     assert stats.needed_per_layer == [0] * len(moe_layers)  # no verify pass ran inside `verifying`
