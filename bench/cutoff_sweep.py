@@ -73,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--default-model", default=str(suite.REPO / "models" / "default"))
     parser.add_argument("--draft", default=str(suite.REPO / "models" / "default-draft"))
     parser.add_argument("--budget", default="25%")
-    parser.add_argument("--cache-policy", default="auto", help="auto: the engine's choice (next-use)")
+    parser.add_argument("--cache-policy", default=EngineConfig.cache_policy)
     parser.add_argument("--spec-tokens", type=int, default=EngineConfig.spec_tokens, help="gamma")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     chosen = ChosenCutoff()
     logging.getLogger("engine.spec.builder").addHandler(chosen)
     logging.getLogger("engine.spec.builder").setLevel(logging.INFO)
-    result = {"title": f"SP-MoE cutoff sweep, {setup.title}, budget {args.budget}, {base.eviction_policy}: "
+    result = {"title": f"SP-MoE cutoff sweep, {setup.title}, budget {args.budget}, {base.cache_policy}: "
                        f"{len(setup.prompts)} prompts x {args.tokens} tokens",
               "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name()
               if device.type == "cuda" else "cpu", "versions": suite.versions(),

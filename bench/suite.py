@@ -57,7 +57,7 @@ CPU_EXPERTS = "+ CPU experts (HybriMoE)"
 # The first three rows add one thing each to the one above. Next-layer prefetch loses in every
 # table so far (README), so the next two start again from MRS without it (its routing-replay
 # numbers win at every cache size) and add CPU compute of missed experts. The speculative rows run
-# the policy the engine picks for them (cache_policy auto: next-use), each adding its own
+# the engine's default policy, next-use, each adding its own
 # mechanism: SS-MoE self-draft with its k - r prefetch, an external draft without prefetch
 # (SP-MoE's baseline), and SP-MoE's external draft with cross-model (SD-aware) prefetch.
 OFFLOAD_STACK = (
@@ -66,9 +66,9 @@ OFFLOAD_STACK = (
     StackRow("+ MRS", dict(cache_policy="mrs", prefetch="next-layer")),
     StackRow(MRS_ALONE, dict(cache_policy="mrs")),
     StackRow(CPU_EXPERTS, dict(cache_policy="mrs", cpu_experts="auto")),
-    StackRow(SPEC_ROWS[0], dict(cache_policy="auto", spec="self")),
-    StackRow(SPEC_ROWS[1], dict(cache_policy="auto", spec="draft", spec_cutoff=0)),  # SP-MoE's baseline
-    StackRow(SPEC_ROWS[2], dict(cache_policy="auto", spec="draft")),
+    StackRow(SPEC_ROWS[0], dict(cache_policy="next-use", spec="self")),
+    StackRow(SPEC_ROWS[1], dict(cache_policy="next-use", spec="draft", spec_cutoff=0)),  # SP-MoE's baseline
+    StackRow(SPEC_ROWS[2], dict(cache_policy="next-use", spec="draft")),
 )
 
 

@@ -20,8 +20,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--gpu-expert-budget", default=None,
                         help="expert cache size: bytes (3GiB, 512MB) or a fraction of all expert bytes (25%%, 0.25)")
-    parser.add_argument("--cache-policy", default="auto", choices=["auto", *POLICY_NAMES],
-                        help="expert eviction; auto: next-use with --spec self|draft, else lru")
+    parser.add_argument("--cache-policy", default=EngineConfig.cache_policy, choices=POLICY_NAMES,
+                        help="expert eviction (next-use: the expert whose estimated next use is furthest away)")
     parser.add_argument("--prefetch", default="none", choices=["none", "next-layer"])
     parser.add_argument("--prefetch-depth", type=int, default=1, help="layers ahead the next-layer predictor looks")
     parser.add_argument("--cpu-experts", default="off", choices=["off", "auto"],

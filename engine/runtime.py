@@ -127,7 +127,7 @@ class Runtime:
         costs = self.runner.cpu_costs if self.runner is not None else None
         return {
             "model": cfg.model, "device": cfg.device, "architecture": self.model_config.architecture,
-            "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.eviction_policy,
+            "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
             "prefetch": cfg.prefetch, "cpu_experts": cfg.cpu_experts, "spec": cfg.spec,
             "max_model_len": self.max_model_len,
             "cuda_graphs": self.target.graphs is not None,

@@ -295,7 +295,8 @@ class ExpertCache:
         wanted = [(layer, e) for e in experts if (layer, e) not in self._table]
         if not wanted:  # all resident or in flight: the common case while drafting, kept cheap
             return
-        self._refresh_in_flight()
+        if self._table.free_slots < len(wanted):  # landed copies become evictable (an event query each)
+            self._refresh_in_flight()
         placement = self._table.place(wanted, pin=False, prefetched=True)
         work = self._start_copies(placement.placed, demand_layer=None)
         self.stats.add_prefetch(layer, placement, self.layout.nbytes)

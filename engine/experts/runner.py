@@ -152,7 +152,7 @@ class CachedExpertRunner:
     def from_config(cls, store: ExpertSource, config: EngineConfig, *, top_k: int,
                     observer: RoutingObserver | None = None) -> CachedExpertRunner:
         budget = parse_budget(config.gpu_expert_budget) if config.gpu_expert_budget is not None else None
-        return cls(store, budget, config.eviction_policy, config.device, top_k=top_k, prefetch=config.prefetch,
+        return cls(store, budget, config.cache_policy, config.device, top_k=top_k, prefetch=config.prefetch,
                    prefetch_depth=config.prefetch_depth, observer=observer, cpu_experts=config.cpu_experts)
 
     def set_router_weights(self, weights: Sequence[torch.Tensor]) -> None:

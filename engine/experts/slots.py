@@ -72,6 +72,10 @@ class SlotTable:
     def slot_of(self, key: Key) -> int:
         return self._slot[key]
 
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
     def in_flight(self) -> list[Key]:
         return list(self._in_flight)
 
