@@ -13,8 +13,9 @@ small transfer, and the experts not handed over yet this round become prefetches
 copies run on the prefetch stream while the next draft forwards compute. The cache drops the
 resident ones (Algorithm 1's cached-queue check). A worker thread doing the same work fought the
 compute thread for the GIL: on the GPU, with 12.6 MB experts at half the experts cached and
-gamma 8, it made SP-MoE 1.19x plain SD's TPOT (the next-layer predictor had taught the same
-lesson, engine/experts/predictor.py); every microsecond of host work here lengthens drafting.
+gamma 8, SP-MoE took 1.77 ms per token against plain SD's 1.51 with it and ties without it
+(bench/results/paired-spmoe-*.md; the next-layer predictor had taught the same lesson,
+engine/experts/predictor.py). Every microsecond of host work here lengthens drafting.
 The verify pass's own routing, read back by the expert runner, scores the predictions.
 
 The same predictor serves self-speculation: there the drafting model is the target itself running
