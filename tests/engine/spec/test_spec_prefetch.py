@@ -12,7 +12,6 @@ from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
 from engine.spec.config import SpecConfig
 from engine.spec.cross_model import CrossModelPredictor
-from engine.spec.stats import SpecStats
 from engine.spec.loop import Drafter
 from engine.spec.profile import (
     SpecProfile,
@@ -21,6 +20,7 @@ from engine.spec.profile import (
     profile_expert_load,
 )
 from engine.spec.self_spec import SelfSpecDecoder
+from engine.spec.stats import SpecStats
 
 PROMPT = [9, 33, 2, 101, 54]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
