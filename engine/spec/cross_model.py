@@ -64,8 +64,8 @@ class CrossModelPredictor:
         # the latest drafted token's top-k per predicted MoE layer: a fixed address a graph writes
         self._latest = torch.zeros(len(self._layers), target.config.top_k, dtype=torch.long,
                                    device=target.device)  # [M, k]
-        self._predicted: list[list[list[int]]] = []  # this round's predictions: [token][row] -> k ids
-        self._handed: set[tuple[int, int]] = set()  # (MoE layer, expert) already prefetched this round
+        # (MoE layer, expert) predicted this round: each is prefetched once, and scored after the verify pass
+        self._predicted: set[tuple[int, int]] = set()
         self.needed: dict[int, set[int]] = {}  # MoE layer -> experts the verify pass ran
 
     def on_draft_attention(self, layer: int, h: torch.Tensor) -> None:
@@ -76,12 +76,10 @@ class CrossModelPredictor:
 
     def after_draft_token(self) -> None:
         """After each drafting forward: read its predictions and prefetch what is new this round."""
-        rows = self._latest.tolist()  # [M][k]
-        self._predicted.append(rows)
-        for moe_layer, row in zip(self._layers, rows):
-            fresh = [e for e in row if (moe_layer, e) not in self._handed]
+        for moe_layer, row in zip(self._layers, self._latest.tolist()):  # [M][k]
+            fresh = [e for e in row if (moe_layer, e) not in self._predicted]
             if fresh:
-                self._handed.update((moe_layer, e) for e in fresh)
+                self._predicted.update((moe_layer, e) for e in fresh)
                 self.sink.prefetch(moe_layer, fresh)
 
     @contextmanager
@@ -93,13 +91,13 @@ class CrossModelPredictor:
 
     def finish_round(self, stats: SpecStats) -> None:
         """Fold this draft/verify round into the per-layer accuracy counters and start afresh."""
-        for moe_layer, row in self._row.items():
-            predicted = {e for rows in self._predicted for e in rows[row]}
-            if predicted:
-                stats.record_prediction(moe_layer, predicted, self.needed.get(moe_layer, set()))
+        by_layer: dict[int, set[int]] = {}
+        for moe_layer, expert in self._predicted:
+            by_layer.setdefault(moe_layer, set()).add(expert)
+        for moe_layer, predicted in by_layer.items():
+            stats.record_prediction(moe_layer, predicted, self.needed.get(moe_layer, set()))
         self.reset()
 
     def reset(self) -> None:
         self._predicted.clear()
-        self._handed.clear()
         self.needed = {}
