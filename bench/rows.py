@@ -153,9 +153,10 @@ def engine_extra(stats: list[dict], decoded: int) -> dict:
         "prefetch_wasted": sum(s["prefetch_wasted"] for s in stats),
         "decoded_tokens": decoded,
     }
-    for key in ("draft_seconds", "verify_seconds"):  # wall time of the speculative phases, host-side
+    # wall time of the speculative phases, per decoded token
+    for key, name in (("draft_seconds", "draft_s_per_token"), ("verify_seconds", "verify_s_per_token")):
         if any(key in s for s in stats):
-            extra[f"{key[:-len('seconds')]}s_per_token"] = sum(s.get(key, 0.0) for s in stats) / decoded
+            extra[name] = sum(s.get(key, 0.0) for s in stats) / decoded
     for key in ("acceptance_rate", "mean_accepted_length", "prediction_accuracy"):
         values = [s[key] for s in stats if s.get(key) is not None]
         if values:
