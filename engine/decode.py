@@ -17,6 +17,27 @@ from engine.sequence import Sequence
 _GRAPHABLE_KWARGS = {"last_only", "moe_top_r", "on_attention_output"}
 
 
+class PendingLogits:
+    """fp32 logits [T, V] on their way to the host: on CUDA a copy into pinned memory queued behind
+    the forward; result() waits for it. (A replayed graph's logits buffer is overwritten by the
+    next replay, so the copy is queued before anything else can launch.)"""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self._ready: torch.cuda.Event | None = None
+        if logits.is_cuda:
+            self._host = torch.empty(logits.shape, dtype=torch.float32, pin_memory=True)  # [T, V]
+            self._host.copy_(logits.float(), non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = logits.float()
+
+    def result(self) -> torch.Tensor:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
 class BoundModel:
     """A model bound to one KV cache: forward() continues from wherever the cache ends."""
 
@@ -28,14 +49,19 @@ class BoundModel:
 
     def forward(self, ids: list[int], **model_kwargs) -> torch.Tensor:
         """Run ids at positions kv.length.. and return fp32 logits [T, V] on the CPU."""
+        return self.launch(ids, **model_kwargs).result()
+
+    def launch(self, ids: list[int], **model_kwargs) -> PendingLogits:
+        """forward() without the wait: the device computes while the host goes on (a drafting loop
+        hands predicted experts to the cache meanwhile). Read the result before the next launch."""
         start = self.kv.length
         if self.on_forward is not None:
             self.on_forward(start)
         if self.graphs is not None and set(model_kwargs) <= _GRAPHABLE_KWARGS and self.graphs.accepts(len(ids)):
             logits = self.graphs.forward(ids, model_kwargs.get("moe_top_r"), model_kwargs.get("on_attention_output"))
-            return (logits[-1:] if model_kwargs.get("last_only") else logits).float().cpu()
+            return PendingLogits(logits[-1:] if model_kwargs.get("last_only") else logits)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
-        return self.model(input_ids, start, self.kv, **model_kwargs).float().cpu()
+        return PendingLogits(self.model(input_ids, start, self.kv, **model_kwargs))
 
     def reset(self) -> None:
         self.kv.reset()

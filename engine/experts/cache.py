@@ -291,8 +291,11 @@ class ExpertCache:
                 self._released[self._table.slot_of(key)] = marker
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Start copying the non-resident `experts` ahead of need, on the prefetch stream."""
-        wanted = [(layer, e) for e in experts if (layer, e) not in self._table]
+        """Start copying the non-resident `experts` ahead of need, on the prefetch stream; the
+        resident ones are kept for that need (SlotTable.expect)."""
+        keys = [(layer, e) for e in experts]
+        self._table.expect(keys)
+        wanted = [key for key in keys if key not in self._table]
         if not wanted:  # all resident or in flight: the common case while drafting, kept cheap
             return
         if self._table.free_slots < len(wanted):  # landed copies become evictable (an event query each)

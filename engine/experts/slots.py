@@ -7,10 +7,12 @@ A slot is evictable only when it is resident, unpinned (no compute is about to r
 in flight (its copy may still be writing). When nothing is evictable the table says so by
 placing fewer keys than asked; it never waits.
 
-A prefetch never evicts an open prediction: an expert prefetched, not used yet, whose layer has
-not run since. Both are guesses of what a coming layer run needs, and the open one was made
-first, for a layer that runs sooner (SP-MoE's draft phase predicts every drafted token's
-experts, layer by layer, for one verify pass). Demand copies take open predictions only when
+A prefetch never evicts an open prediction: an expert predicted for a coming run of its layer
+(prefetched, or resident already when predicted: `expect`), not used since, whose layer has not
+run since. Both are guesses of what a coming layer run needs, and the open one was made first,
+for a layer that runs sooner (SP-MoE's draft phase predicts every drafted token's experts,
+layer by layer, for one verify pass); a prefetch that evicted a resident prediction would only
+trade one copy the verify pass needs for another. Demand copies take open predictions only when
 nothing else can go (a need is certain, a guess is not; policies that rank by use history would
 otherwise evict a fresh guess first), and once its layer has run without it, it was a wrong
 guess and any copy may.
@@ -60,7 +62,7 @@ class SlotTable:
         self._pins: dict[Key, int] = {}
         self._in_flight: set[Key] = set()
         self._unused_prefetch: set[Key] = set()
-        self._open_predictions: set[Key] = set()  # prefetched, unused, its layer has not run since
+        self._open_predictions: set[Key] = set()  # predicted, unused, its layer has not run since
         self._evictable: set[Key] = set()  # resident, unpinned, landed: kept up to date, not recomputed
 
     def __len__(self) -> int:
@@ -120,6 +122,10 @@ class SlotTable:
             self._unused_prefetch.remove(key)
             return True
         return False
+
+    def expect(self, keys: Sequence[Key]) -> None:
+        """`keys` are predicted for the next run of their layers: the resident ones become open predictions."""
+        self._open_predictions.update(key for key in keys if key in self._slot)
 
     def evictable(self) -> set[Key]:
         return self._evictable

@@ -6,16 +6,18 @@ attention output h (the residual stream after attention, which the model hands t
 experts are what the verify pass will likely route this token to. The hook only writes them into
 a fixed device buffer, so a drafting forward replayed as a CUDA graph computes them too.
 
-Every drafting forward ends with its logits read on the host (BoundModel.forward), so the
-device is idle when the loop calls `after_draft_token`: the predictions are read then, in one
-small transfer, and the experts not handed over yet this round become prefetches at once
-(Algorithm 1's tasks, issued by the compute thread itself as Algorithm 2's worker would); their
-copies run on the prefetch stream while the next draft forwards compute. The cache drops the
-resident ones (Algorithm 1's cached-queue check). A worker thread doing the same work fought the
-compute thread for the GIL: on the GPU, with 12.6 MB experts at half the experts cached and
-gamma 8, SP-MoE took 1.77 ms per token against plain SD's 1.51 with it and ties without it
-(bench/results/paired-spmoe-*.md; the next-layer predictor had taught the same lesson,
-engine/experts/predictor.py). Every microsecond of host work here lengthens drafting.
+Every drafting forward ends with its logits read on the host, so the device is idle when the
+loop reads the predictions (`predictions`, one small transfer). The loop then launches the next
+drafting forward and only after that hands the experts not handed over yet this round to the
+cache (`prefetch`: Algorithm 1's tasks, issued by the compute thread itself as Algorithm 2's
+worker would), so that host work overlaps the next draft token's compute instead of lengthening
+the draft phase; the copies run on the prefetch stream meanwhile. The cache keeps resident
+predictions from being evicted by later prefetches (Algorithm 1's cached-queue check, made a
+guard: evicting one would only trade one copy the verify pass needs for another). A worker
+thread doing the same work fought the compute thread for the GIL: on the GPU, with 12.6 MB
+experts at half the experts cached and gamma 8, SP-MoE took 1.77 ms per token against plain
+SD's 1.51 with it (bench/results/paired-spmoe-thread-olmoe-50.md; the next-layer predictor had
+taught the same lesson, engine/experts/predictor.py).
 The verify pass's own routing, read back by the expert runner, scores the predictions.
 
 The same predictor serves self-speculation: there the drafting model is the target itself running
@@ -70,13 +72,17 @@ class CrossModelPredictor:
 
     def on_draft_attention(self, layer: int, h: torch.Tensor) -> None:
         """Drafting layer `layer` produced h [T, H]; only the last row is a token the verify pass will run.
-        Device work only (CUDA graphs capture it); after_draft_token hands the result on."""
+        Device work only (CUDA graphs capture it); `predictions` reads the result."""
         for moe_layer in self.draft_to_target[layer]:
             self._latest[self._row[moe_layer]].copy_(self.route(moe_layer, h[-1:])[0])
 
-    def after_draft_token(self) -> None:
-        """After each drafting forward: read its predictions and prefetch what is new this round."""
-        for moe_layer, row in zip(self._layers, self._latest.tolist()):  # [M][k]
+    def predictions(self) -> list[list[int]]:
+        """The latest drafting forward's predictions [M][k], read once its logits are (the device is idle)."""
+        return self._latest.tolist()
+
+    def prefetch(self, predictions: list[list[int]]) -> None:
+        """Hand the experts not handed over yet this round to the cache."""
+        for moe_layer, row in zip(self._layers, predictions):
             fresh = [e for e in row if (moe_layer, e) not in self._predicted]
             if fresh:
                 self._predicted.update((moe_layer, e) for e in fresh)

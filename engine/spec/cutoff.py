@@ -1,7 +1,7 @@
 """SP-MoE's cutoff layer: how many leading target MoE layers get their experts prefetched while drafting.
 
 Prefetching layer l's predicted experts pays off only if they arrive before the verify pass
-needs them and do not push out experts it needs more. With n_l experts to prefetch for layer l
+needs them and do not push out experts it needs more. With n_l experts to copy for layer l
 during one draft phase, the cutoff is the largest L (a count: layers 0..L-1 are prefetched) with
 
     memory:  sum_{l<L} n_l * expert_bytes <= free_bytes
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class CutoffInputs:
-    experts_per_layer: Sequence[int]  # n_l for each target MoE layer, in layer order
+    experts_per_layer: Sequence[float]  # n_l, experts copied for each target MoE layer (expected), in layer order
     expert_bytes: int
     free_bytes: int
     t_comp: float  # seconds per draft layer per drafted token
@@ -31,7 +31,7 @@ class CutoffInputs:
 def choose_cutoff(inputs: CutoffInputs) -> int:
     """Number of leading target MoE layers to prefetch for (0 = none)."""
     draft_phase_seconds = inputs.gamma * inputs.draft_depth * inputs.t_comp
-    experts = 0
+    experts = 0.0
     for cutoff, n in enumerate(inputs.experts_per_layer):
         experts += n
         fits_memory = experts * inputs.expert_bytes <= inputs.free_bytes

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.decode import BoundModel, PlainDecoder, choose_token
+from engine.decode import BoundModel, PendingLogits, PlainDecoder, choose_token
 from engine.kv_cache import KVCache
 from engine.sampling import apply_penalties, draw, target_distribution, token_logprob
 from engine.sequence import Sequence
@@ -52,9 +52,13 @@ class Drafter:
     def kv(self) -> KVCache:
         return self.model.kv
 
+    def launch(self, ids: list[int]) -> PendingLogits:
+        """Start computing the logits of the token after ids, feeding only the ids this drafter's cache lacks."""
+        return self.model.launch(ids[self.kv.length :], last_only=True, **self.forward_kwargs)
+
     def next_logits(self, ids: list[int]) -> torch.Tensor:
-        """Logits [V] of the token after ids, feeding only the ids this drafter's cache lacks."""
-        return self.model.forward(ids[self.kv.length :], last_only=True, **self.forward_kwargs)[-1]
+        """Logits [V] of the token after ids."""
+        return self.launch(ids).result()[-1]
 
 
 class SpecDecoder:
@@ -92,19 +96,23 @@ class SpecDecoder:
         return max(0, min(gamma, seq.remaining - 1, max_model_len - len(seq.all_ids) - 1))
 
     def _draft(self, seq: Sequence, budget: int) -> list[Drafted]:
+        """Each drafted token's predicted experts go to the cache while the next one computes: the
+        host's hand-over then costs no drafting time."""
         ids, counts, drafts = seq.all_ids, Counter(seq.output_counts), []
         greedy = seq.params.temperature == 0
-        while len(drafts) < budget:
-            logits = apply_penalties(self.drafter.next_logits(ids), seq.params, counts)  # [V]
-            if self.predictor is not None:
-                self.predictor.after_draft_token()
+        pending = self.drafter.launch(ids) if budget > 0 else None
+        while pending is not None:
+            logits = apply_penalties(pending.result()[-1], seq.params, counts)  # [V]
+            predicted = None if self.predictor is None else self.predictor.predictions()
             q = target_distribution(logits, seq.params)  # [V]
             token = int(q.argmax()) if greedy else draw(q, seq.generator)
             drafts.append(Drafted(token, q))
             ids = ids + [token]
             counts[token] += 1  # the next draft position sees this token's penalty, as verify will
-            if token in seq.params.stop_token_ids or self._unsure(logits):
-                break
+            done = len(drafts) == budget or token in seq.params.stop_token_ids or self._unsure(logits)
+            pending = None if done else self.drafter.launch(ids)
+            if predicted is not None:
+                self.predictor.prefetch(predicted)
         return drafts
 
     def _unsure(self, logits: torch.Tensor) -> bool:

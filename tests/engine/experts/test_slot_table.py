@@ -99,12 +99,12 @@ def test_drop_frees_the_slot_without_an_eviction() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["place", "pin", "unpin", "complete", "prefetch"]),
+@given(st.lists(st.tuples(st.sampled_from(["place", "pin", "unpin", "complete", "prefetch", "expect"]),
                           st.integers(0, 5)), max_size=60))
 def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> None:
     """Whatever happens, victims are only unpinned landed residents, LRU evicts the oldest, a
-    prefetch passes over open predictions (prefetched, not used since) and a demand copy takes
-    them only when nothing else can go."""
+    prefetch passes over open predictions (prefetched or expected while resident, not used since)
+    and a demand copy takes them only when nothing else can go."""
     table = SlotTable(3, LRUPolicy())
     last_use: dict[tuple[int, int], int] = {}
     open_predictions: set[tuple[int, int]] = set()
@@ -132,6 +132,10 @@ def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> No
             table.unpin(key)
         elif op == "complete" and flying:
             table.complete(key)
+        elif op == "expect":
+            table.expect([key])
+            if resident:
+                open_predictions.add(key)
         assert table.evictable() == _should_be_evictable(table)
         assert len(table) <= table.capacity
 
@@ -168,3 +172,15 @@ def test_a_demand_copy_takes_an_open_prediction_only_when_nothing_else_can_go() 
     table.complete((0, 5))
     second = table.place([(0, 6)], pin=True, prefetched=False)  # (0, 5) is pinned: only the guess is left
     assert [(e.key, e.wasted_prefetch) for e in second.evictions] == [((1, 1), True)]
+
+
+def test_an_expected_resident_expert_is_kept_like_a_prefetched_one() -> None:
+    """Predicted while already resident: a prefetch passes over it, its layer's run ends it."""
+    table = SlotTable(2, LRUPolicy())
+    _resident(table, (1, 1), (0, 2))  # (1, 1) is the least recently used
+    table.expect([(1, 1), (1, 7)])  # (1, 7) is not resident: nothing to keep
+    later = table.place([(0, 4)], pin=False, prefetched=True)
+    assert [e.key for e in later.evictions] == [(0, 2)]
+    table.complete((0, 4))
+    table.plan_wave([(1, 3)])  # layer 1 ran without (1, 1): the prediction is over
+    assert (1, 1) not in table

@@ -12,6 +12,7 @@ from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
 from engine.spec.config import SpecConfig
 from engine.spec.cross_model import CrossModelPredictor
+from engine.spec.draft_spec import DraftSpecDecoder
 from engine.spec.loop import Drafter
 from engine.spec.profile import (
     SpecProfile,
@@ -56,7 +57,7 @@ def test_each_drafted_tokens_new_predictions_are_prefetched_at_once(target: Caus
     for i, h in enumerate(hidden):
         for layer in moe_layers:
             predictor.on_draft_attention(layer, h)
-        predictor.after_draft_token()
+        predictor.prefetch(predictor.predictions())
         assert set(handed()) == predicted(hidden[: i + 1])
     assert len(handed()) == len(set(handed()))
     with predictor.verifying():
@@ -64,6 +65,38 @@ def test_each_drafted_tokens_new_predictions_are_prefetched_at_once(target: Caus
     stats = SpecStats()
     predictor.finish_round(stats)
     assert stats.needed_per_layer == [0] * len(moe_layers)  # no verify pass ran inside `verifying`
+
+
+def test_a_drafted_tokens_predictions_are_handed_over_after_the_next_draft_token_launched(
+        target: CausalLM, draft: CausalLM) -> None:
+    """The hand-over's host work overlaps the next drafting forward; the last token's goes before verify."""
+    bound = bind(target)
+    decoder = DraftSpecDecoder(bound, bind(draft), SpecConfig(gamma=3), prefetch=RecordingSink())
+    assert decoder.predictor is not None
+    events: list[str] = []
+
+    def logged(name: str, method):  # noqa: ANN001, ANN202
+        def call(*args):  # noqa: ANN002, ANN202
+            events.append(name)
+            return method(*args)
+        return call
+
+    decoder.drafter.launch = logged("launch", decoder.drafter.launch)  # type: ignore[method-assign]
+    decoder.predictor.prefetch = logged("hand-over", decoder.predictor.prefetch)  # type: ignore[method-assign]
+    decoder._verify = logged("verify", decoder._verify)  # type: ignore[method-assign]
+    generate(decoder, bound, PROMPT, SamplingParams(max_tokens=8, temperature=0.0))
+    rounds: list[list[str]] = [[]]
+    for event in events:
+        if event == "verify":
+            rounds.append([])
+        else:
+            rounds[-1].append(event)
+    assert any(len(r) > 2 for r in rounds[:-1])
+    for round_events in rounds[:-1]:
+        drafted = round_events.count("launch")
+        # n drafts: launch, then (launch, hand-over) n - 1 times, then the last token's hand-over
+        expected = ["launch"] + ["launch", "hand-over"] * (drafted - 1) + ["hand-over"] if drafted else []
+        assert round_events == expected
 
 
 def test_profile_measures_and_leaves_the_drafter_as_it_was(draft: CausalLM) -> None:
@@ -76,23 +109,29 @@ def test_profile_measures_and_leaves_the_drafter_as_it_was(draft: CausalLM) -> N
 
 
 def test_plan_cutoff_prefers_the_override_and_otherwise_bounds_by_time(target: CausalLM) -> None:
-    config = target.config
+    config = dataclasses.replace(target.config, num_experts=64, top_k=2)
     slow_loads = SpecProfile(t_comp=1e-3, t_load=1.0)
     fast_loads = SpecProfile(t_comp=1.0, t_load=1e-6)
-    slots = 1 << 20
+    slots = config.num_moe_layers * 32  # half the experts: memory never binds (8 copies a layer)
     assert plan_cutoff(SpecConfig(cutoff=99), config, 3, config.top_k, 1, slots, slow_loads) == config.num_moe_layers
     assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, slots, slow_loads) == 0
     assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, slots, fast_loads) == config.num_moe_layers
 
 
-def test_plan_cutoff_keeps_the_verify_passs_peak_free(target: CausalLM) -> None:
-    """gamma = 2, k = 2: one verify layer pins min(6, E) slots; each layer prefetches min(4, E)."""
-    config = dataclasses.replace(target.config, num_experts=8, top_k=2)
+def test_plan_cutoff_keeps_the_verify_passs_peak_free_and_counts_only_uncached_experts(target: CausalLM) -> None:
+    """4 MoE layers of 8 experts, gamma = 2, k = 2: one verify layer pins min(6, 8) slots; each
+    layer's drafts predict min(4, 8) experts, of which the uncached share (1 - slots / 32) is copied."""
+    config = dataclasses.replace(target.config, num_experts=8, top_k=2, moe_layers=(0, 1, 2, 3))
     fast_loads = SpecProfile(t_comp=1.0, t_load=1e-6)
     spec = SpecConfig(gamma=2)
-    assert plan_cutoff(spec, config, 3, 2, 1, 6 + 3, fast_loads) == 0  # 3 free slots: not one layer's 4
-    assert plan_cutoff(spec, config, 3, 2, 1, 6 + 8, fast_loads) == min(2, config.num_moe_layers)
-    assert plan_cutoff(spec, config, 3, 1, 1, 6 + 8, fast_loads) == min(4, config.num_moe_layers)  # k - r = 1
+    # 8 slots: 2 free, each layer copies 4 * (1 - 8/32) = 3 of its predictions: not one layer
+    assert plan_cutoff(spec, config, 3, 2, 1, 6 + 2, fast_loads) == 0
+    # 16 slots: 10 free, 4 * (1 - 16/32) = 2 per layer: every layer
+    assert plan_cutoff(spec, config, 3, 2, 1, 6 + 10, fast_loads) == 4
+    # 12 slots: 6 free, 4 * (1 - 12/32) = 2.5 per layer: two layers (5), not three (7.5)
+    assert plan_cutoff(spec, config, 3, 2, 1, 6 + 6, fast_loads) == 2
+    # a self-draft with k - r = 1: 2 * (1 - 12/32) = 1.25 per layer: four layers (5)
+    assert plan_cutoff(spec, config, 3, 1, 1, 6 + 6, fast_loads) == 4
 
 
 def test_adaptive_gamma_keeps_greedy_exact(target: CausalLM) -> None:
