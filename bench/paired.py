@@ -19,11 +19,14 @@ baseline every ratio divides by.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -32,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import suite  # noqa: E402
+from bench.cutoff_sweep import ChosenCutoff  # noqa: E402
 from bench.floor import measure_bandwidths, step_bytes  # noqa: E402
 from bench.report import write_outputs  # noqa: E402
 from bench.rows import Generation, RowResult, engine_extra, engine_generate, summary  # noqa: E402
@@ -167,7 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     cores = []
     try:
         for arm in arms:  # all built before any timing, so every pair sees the same process state
-            cores.append(EngineCore(arm.config))
+            with chosen_cutoff() as chosen:
+                cores.append(EngineCore(arm.config))
+            if chosen.value is not None and arm.config.spec_cutoff is None:
+                result["notes"].append(f"{arm.name}: automatic cutoff {chosen.value} from the start-up profile "
+                                       f"t_comp {chosen.profile['t_comp'] * 1e3:.3f} ms per draft layer, "
+                                       f"t_load {chosen.profile['t_load'] * 1e3:.3f} ms per expert")
             engine_generate(cores[-1], "warm-up", setup.prompts[0], args.warmup_tokens or args.tokens)
         for round_ in range(args.rounds):
             for i, prompt in enumerate(setup.prompts):
@@ -187,6 +196,20 @@ def main(argv: list[str] | None = None) -> None:
         for core in cores:
             core.close()
     print((Path(args.out) / f"{args.stem}.md").read_text())
+
+
+@contextmanager
+def chosen_cutoff() -> Iterator[ChosenCutoff]:
+    """The SP-MoE cutoff an engine built inside chooses (None if it chose none)."""
+    chosen, log = ChosenCutoff(), logging.getLogger("engine.spec.builder")
+    level = log.level
+    log.addHandler(chosen)
+    log.setLevel(logging.INFO)
+    try:
+        yield chosen
+    finally:
+        log.removeHandler(chosen)
+        log.setLevel(level)
 
 
 def quiesce(device: torch.device) -> None:
