@@ -3,8 +3,10 @@
 At each drafting layer that the layer map ties to target MoE layers, the drafting model's
 attention output h (the residual stream after attention, which the model hands to
 `on_attention_output`) goes through the *target's* post-attention norm and router; the top-k
-experts are what the verify pass will likely route this token to. The hook only writes them into
-a fixed device buffer, so a drafting forward replayed as a CUDA graph computes them too.
+experts are what the verify pass will likely route this token to. The hook only does device work
+into fixed buffers: it keeps each layer's h, and the last mapped drafting layer routes them all
+in one batched matmul (StackedRouters), so a drafting forward replayed as a CUDA graph computes
+the predictions too.
 
 Every drafting forward ends with its logits read on the host, so the device is idle when the
 loop reads the predictions (`predictions`, one small transfer). The loop then launches the next
@@ -26,17 +28,15 @@ just ran (resident), which leaves SS-MoE's incremental loads of the others.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from engine.models.blocks import CausalLM, MoEBlock
 from engine.spec.stats import SpecStats
-
-RouteFn = Callable[[int, torch.Tensor], torch.Tensor]  # (target MoE layer, h [T, H]) -> expert ids [T, k]
-
 
 class PrefetchSink(Protocol):
     def prefetch(self, layer: int, experts: Sequence[int]) -> None:
@@ -44,26 +44,40 @@ class PrefetchSink(Protocol):
         ...
 
 
-def target_router(model: CausalLM) -> RouteFn:
-    """The target's own post-attention norm, router and top-k, applied to any hidden state."""
-    layers = [layer for layer in model.layers if isinstance(layer.mlp, MoEBlock)]
+class StackedRouters:
+    """The target's post-attention norms and routers of some MoE layers, stacked: one batched
+    matmul routes one hidden state per layer. Per layer apart they cost about eight kernels each,
+    which lengthened every drafted token by ~0.1 ms at 3 layers (bench/results/paired-spmoe-*.md)."""
 
-    def route(moe_layer: int, h: torch.Tensor) -> torch.Tensor:
-        layer = layers[moe_layer]
-        x = layer.mlp_norm(h.to(device=model.device, dtype=model.dtype))  # [T, H]
-        return layer.mlp.routing(x, None).expert_ids  # [T, k]
+    def __init__(self, target: CausalLM, moe_layers: Sequence[int]) -> None:
+        layers = [layer for layer in target.layers if isinstance(layer.mlp, MoEBlock)]
+        picked = [layers[m] for m in moe_layers]
+        self.eps = target.config.rms_norm_eps
+        self.top_k = target.config.top_k
+        self.norm_weight = torch.stack([layer.mlp_norm.weight.detach() for layer in picked])  # [M, H]
+        self.router_weight = torch.stack([layer.mlp.router.weight.detach() for layer in picked])  # [M, E, H]
 
-    return route
+    def top_experts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H], row i for layer i -> each layer's top-k experts [M, k] (softmax keeps the order)."""
+        x = F.rms_norm(hidden, hidden.shape[-1:], eps=self.eps) * self.norm_weight  # [M, H]
+        logits = torch.bmm(self.router_weight, x.unsqueeze(-1)).squeeze(-1)  # [M, E]
+        return logits.topk(self.top_k, dim=-1).indices  # [M, k]
 
 
 class CrossModelPredictor:
     def __init__(self, target: CausalLM, draft_to_target: tuple[tuple[int, ...], ...], sink: PrefetchSink) -> None:
         """draft_to_target[d]: target MoE layers predicted at drafting layer d (layer_map.layer_map)."""
-        self.route, self.draft_to_target, self.sink = target_router(target), draft_to_target, sink
+        self.draft_to_target, self.sink = draft_to_target, sink
         self.runner = target.runner
         self._layers = sorted({m for layers in draft_to_target for m in layers})  # MoE layers, one row each
-        self._row = {moe_layer: i for i, moe_layer in enumerate(self._layers)}
-        # the latest drafted token's top-k per predicted MoE layer: a fixed address a graph writes
+        self.routers = StackedRouters(target, self._layers)
+        row = {moe_layer: i for i, moe_layer in enumerate(self._layers)}
+        self._rows = [torch.tensor([row[m] for m in layers], dtype=torch.long, device=target.device)
+                      for layers in draft_to_target]  # [draft layer] -> rows it fills
+        self._last_draft_layer = max((d for d, layers in enumerate(draft_to_target) if layers), default=-1)
+        # fixed addresses a graph writes: each predicted layer's input, then the latest drafted token's top-k
+        self._hidden = torch.zeros(len(self._layers), target.config.hidden_size, dtype=target.dtype,
+                                   device=target.device)  # [M, H]
         self._latest = torch.zeros(len(self._layers), target.config.top_k, dtype=torch.long,
                                    device=target.device)  # [M, k]
         # (MoE layer, expert) predicted this round: each is prefetched once, and scored after the verify pass
@@ -72,9 +86,13 @@ class CrossModelPredictor:
 
     def on_draft_attention(self, layer: int, h: torch.Tensor) -> None:
         """Drafting layer `layer` produced h [T, H]; only the last row is a token the verify pass will run.
-        Device work only (CUDA graphs capture it); `predictions` reads the result."""
-        for moe_layer in self.draft_to_target[layer]:
-            self._latest[self._row[moe_layer]].copy_(self.route(moe_layer, h[-1:])[0])
+        Device work only (CUDA graphs capture it): the rows wait in a buffer and the last mapped
+        layer routes them all at once; `predictions` reads the result."""
+        rows = self._rows[layer]
+        if len(rows):
+            self._hidden.index_copy_(0, rows, h[-1:].to(self._hidden.dtype).expand(len(rows), -1))
+        if layer == self._last_draft_layer:
+            self._latest.copy_(self.routers.top_experts(self._hidden))
 
     def predictions(self) -> list[list[int]]:
         """The latest drafting forward's predictions [M][k], read once its logits are (the device is idle)."""

@@ -9,7 +9,7 @@ from spec_harness import CPU, RecordingSink, bind, generate, generate_with_prefe
 
 from engine.decode import PlainDecoder
 from engine.messages import SamplingParams
-from engine.models.blocks import CausalLM
+from engine.models.blocks import CausalLM, MoEBlock
 from engine.spec.config import SpecConfig
 from engine.spec.cross_model import CrossModelPredictor
 from engine.spec.draft_spec import DraftSpecDecoder
@@ -41,24 +41,31 @@ def test_speculative_prefetch_fills_the_cache_without_changing_tokens(target: Ca
 
 
 def test_each_drafted_tokens_new_predictions_are_prefetched_at_once(target: CausalLM) -> None:
-    """Each drafted token's predictions are prefetched right after its forward, each expert once per round."""
+    """Each drafted token's predictions are prefetched right after its forward, each expert once per
+    round; they are the target's own routing of the drafting layers' states (one drafting layer
+    predicting several target layers here, as a shallower draft does)."""
     sink = RecordingSink()
-    moe_layers = range(target.config.num_moe_layers)
-    predictor = CrossModelPredictor(target, tuple((m,) for m in moe_layers), sink)
+    moe_layers = list(range(target.config.num_moe_layers))
+    draft_to_target = (tuple(moe_layers[:-1]), (moe_layers[-1],))  # a two-layer draft
+    predictor = CrossModelPredictor(target, draft_to_target, sink)
     gen = torch.Generator().manual_seed(0)
-    hidden = [torch.randn(1, target.config.hidden_size, generator=gen) for _ in range(3)]  # one per drafted token
+    # per drafted token, one state per drafting layer
+    states = [[torch.randn(2, target.config.hidden_size, generator=gen) for _ in draft_to_target] for _ in range(3)]
+    moe_blocks = [layer for layer in target.layers if isinstance(layer.mlp, MoEBlock)]
 
     def handed() -> list[tuple[int, int]]:
         return [(layer, e) for layer, experts in sink.tasks for e in experts]
 
-    def predicted(tokens: list[torch.Tensor]) -> set[tuple[int, int]]:
-        return {(m, e) for h in tokens for m in moe_layers for e in predictor.route(m, h)[0].tolist()}
+    def predicted(tokens: list[list[torch.Tensor]]) -> set[tuple[int, int]]:
+        """The target's own norm and router applied to the last row of each mapped state."""
+        return {(m, e) for hs in tokens for d, layers in enumerate(draft_to_target) for m in layers
+                for e in moe_blocks[m].mlp.routing(moe_blocks[m].mlp_norm(hs[d][-1:]), None).expert_ids[0].tolist()}
 
-    for i, h in enumerate(hidden):
-        for layer in moe_layers:
-            predictor.on_draft_attention(layer, h)
+    for i, hs in enumerate(states):
+        for d, h in enumerate(hs):
+            predictor.on_draft_attention(d, h)
         predictor.prefetch(predictor.predictions())
-        assert set(handed()) == predicted(hidden[: i + 1])
+        assert set(handed()) == predicted(states[: i + 1])
     assert len(handed()) == len(set(handed()))
     with predictor.verifying():
         pass
