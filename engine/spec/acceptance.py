@@ -35,12 +35,16 @@ class AcceptRule:
         return self.greedy or self.tolerance is None
 
 
-def verify_position(p: torch.Tensor, q: torch.Tensor, draft: int, rule: AcceptRule,
+def verify_position(p: torch.Tensor, q: torch.Tensor | None, draft: int, rule: AcceptRule,
                     generator: torch.Generator) -> tuple[int, bool]:
-    """Return (token to emit, whether it is the draft) for one drafted position. p, q [V]."""
+    """Return (token to emit, whether it is the draft) for one drafted position. p, q [V].
+
+    Greedy reads only p's argmax, so p may be the target's penalised logits themselves and q None:
+    building the one-hot distributions cost more host time than a drafted token's forward."""
     if rule.greedy:
         best = int(p.argmax())
         return best, best == draft
+    assert q is not None, "speculative sampling needs the draft's distribution"
     if _adaptively_kept(float(p[draft]), float(q[draft]), rule):
         return draft, True
     # u < p/q written as u*q < p: no division, and p(d) >= q(d) always keeps

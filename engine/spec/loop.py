@@ -37,7 +37,9 @@ from engine.spec.stats import SpecStats
 @dataclass(frozen=True)
 class Drafted:
     token: int
-    q: torch.Tensor  # [V] the distribution the token was drawn from (after penalties, temperature, top-k/p)
+    # [V] the distribution the token was drawn from (after penalties, temperature, top-k/p); None
+    # when greedy, where acceptance compares argmaxes
+    q: torch.Tensor | None
 
 
 class Drafter:
@@ -100,20 +102,26 @@ class SpecDecoder:
         host's hand-over then costs no drafting time."""
         ids, counts, drafts = seq.all_ids, Counter(seq.output_counts), []
         greedy = seq.params.temperature == 0
-        pending = self.drafter.launch(ids) if budget > 0 else None
+        pending = self._launch_draft(ids) if budget > 0 else None
         while pending is not None:
             logits = apply_penalties(pending.result()[-1], seq.params, counts)  # [V]
             predicted = None if self.predictor is None else self.predictor.predictions()
-            q = target_distribution(logits, seq.params)  # [V]
-            token = int(q.argmax()) if greedy else draw(q, seq.generator)
+            q = None if greedy else target_distribution(logits, seq.params)  # [V]
+            token = int(logits.argmax()) if q is None else draw(q, seq.generator)
             drafts.append(Drafted(token, q))
             ids = ids + [token]
             counts[token] += 1  # the next draft position sees this token's penalty, as verify will
             done = len(drafts) == budget or token in seq.params.stop_token_ids or self._unsure(logits)
-            pending = None if done else self.drafter.launch(ids)
+            pending = None if done else self._launch_draft(ids)
             if predicted is not None:
                 self.predictor.prefetch(predicted)
         return drafts
+
+    def _launch_draft(self, ids: list[int]) -> PendingLogits:
+        pending = self.drafter.launch(ids)
+        if self.predictor is not None:
+            self.predictor.collect()
+        return pending
 
     def _unsure(self, logits: torch.Tensor) -> bool:
         """The draft's own max probability (softmax of its penalised logits) is below tau."""
@@ -132,8 +140,8 @@ class SpecDecoder:
         rule = AcceptRule(seq.params.temperature == 0, self.config.confidence, self.config.adaptive_tolerance)
         for i, draft in enumerate(drafts):
             row = apply_penalties(logits[i], seq.params, seq.output_counts)  # [V] counts include kept drafts
-            token, kept = verify_position(target_distribution(row, seq.params), draft.q, draft.token, rule,
-                                          seq.generator)
+            p = row if rule.greedy else target_distribution(row, seq.params)  # greedy needs only the argmax
+            token, kept = verify_position(p, draft.q, draft.token, rule, seq.generator)
             logprob = None if seq.params.logprobs is None else token_logprob(row, token, seq.params.logprobs)
             if seq.append(token, logprob, max_model_len) or not kept:
                 return i + int(kept)
