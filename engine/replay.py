@@ -179,7 +179,7 @@ def _prefetch(table: SlotTable, stats: ExpertStats, layer: int, experts: Sequenc
     placement = table.place([(layer, e) for e in experts if (layer, e) not in table], pin=False, prefetched=True)
     for key, _ in placement.placed:
         table.complete(key)
-    stats.add_prefetch(layer, placement, expert_bytes=1)
+    stats.add_prefetch(placement, expert_bytes=1)
 
 
 def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[str], predictors: Sequence[str]) -> list[Result]:

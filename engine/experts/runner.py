@@ -186,10 +186,10 @@ class CachedExpertRunner:
         out = self._run_on_gpu(x, routing, back.ids, on_gpu, double_buffer=streamed)
         # after this layer's compute is queued and its experts released, so the GPU works meanwhile
         if streamed and guess is not None:
-            self.cache.prefetch(layer + 1, [e for e in back.ranked[0] if e >= 0])
+            self.cache.prefetch([(layer + 1, e) for e in back.ranked[0] if e >= 0])
         elif guess is not None:
-            for target, experts in self._predictor.remember(guess, back.ranked):
-                self.cache.prefetch(target, experts)
+            self.cache.prefetch([(target, e) for target, experts in self._predictor.remember(guess, back.ranked)
+                                 for e in experts])
         return out if job is None else self._cpu.finish(job, out)
 
     def _guess(self, layer: int, x: torch.Tensor, streamed: bool) -> Guess | None:
@@ -298,8 +298,7 @@ class CachedExpertRunner:
         if held is None:
             return
         self.cache.release(held.wave)
-        for target, experts in held.prefetches:
-            self.cache.prefetch(target, experts)
+        self.cache.prefetch([(target, e) for target, experts in held.prefetches for e in experts])
 
     def count_replayed_tokens(self, tokens: int, experts_per_layer: int) -> None:
         """Book tokens replayed by a one-piece CUDA graph: each MoE layer used that many resident

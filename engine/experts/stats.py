@@ -77,10 +77,13 @@ class ExpertStats:
                               "prefetch_used": plan.prefetch_used, "waves": 1})
             self._add_evictions(plan.misses)
 
-    def add_prefetch(self, layer: int, placement: Placement, expert_bytes: int) -> None:
+    def add_prefetch(self, placement: Placement, expert_bytes: int) -> None:
+        """Booked to each key's own layer: one prefetch may span layers."""
         with self._lock:
-            self._add(layer, {"prefetch_bytes": len(placement.placed) * expert_bytes,
-                              "prefetch_dropped": len(placement.unplaced)})
+            for (layer, _), _slot in placement.placed:
+                self._add(layer, {"prefetch_bytes": expert_bytes})
+            for layer, _ in placement.unplaced:
+                self._add(layer, {"prefetch_dropped": 1})
             self._add_evictions(placement)
 
     def _add(self, layer: int, deltas: dict[str, float]) -> None:

@@ -39,8 +39,8 @@ from engine.models.blocks import CausalLM, MoEBlock
 from engine.spec.stats import SpecStats
 
 class PrefetchSink(Protocol):
-    def prefetch(self, layer: int, experts: Sequence[int]) -> None:
-        """Start copying the non-resident `experts` of MoE `layer` ahead of need (ExpertCache.prefetch)."""
+    def prefetch(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Start copying the non-resident (MoE layer, expert) `keys` ahead of need (ExpertCache.prefetch)."""
         ...
 
 
@@ -112,12 +112,12 @@ class CrossModelPredictor:
         return self._host.tolist()
 
     def prefetch(self, predictions: list[list[int]]) -> None:
-        """Hand the experts not handed over yet this round to the cache."""
-        for moe_layer, row in zip(self._layers, predictions):
-            fresh = [e for e in row if (moe_layer, e) not in self._predicted]
-            if fresh:
-                self._predicted.update((moe_layer, e) for e in fresh)
-                self.sink.prefetch(moe_layer, fresh)
+        """Hand the experts not handed over yet this round to the cache, in layer order, in one call."""
+        fresh = [key for moe_layer, row in zip(self._layers, predictions) for key in ((moe_layer, e) for e in row)
+                 if key not in self._predicted]
+        if fresh:
+            self._predicted.update(fresh)
+            self.sink.prefetch(fresh)
 
     @contextmanager
     def verifying(self) -> Iterator[None]:

@@ -73,7 +73,7 @@ def test_whole_acquire_waits_for_in_flight_copies_instead_of_splitting(store) ->
 
     cache = ExpertCache(store, store.layout.nbytes * 2, LRUPolicy(), "cpu", top_k=2, copy_fn=slow_copy)
     # a thread stands in for an asynchronous copy engine: the prefetch holds one slot while in flight
-    prefetcher = threading.Thread(target=cache.prefetch, args=(1, [0]))
+    prefetcher = threading.Thread(target=cache.prefetch, args=([(1, 0)],))
     prefetcher.start()
     while cache.resident_experts == 0:
         threading.Event().wait(0.001)
@@ -98,7 +98,7 @@ def test_failed_prefetch_is_forgotten_not_served(store) -> None:
 
     cache = ExpertCache(store, 4 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2, copy_fn=flaky_copy)
     with pytest.raises(OSError):
-        cache.prefetch(0, [3])
+        cache.prefetch([(0, 3)])
     broken.clear()
     wave = cache.acquire(0, [3])  # the failed copy is dropped, then copied on demand
     assert not wave.rows(landed=True) and list(wave.pending) == [3]
@@ -111,9 +111,19 @@ def test_failed_prefetch_is_forgotten_not_served(store) -> None:
 def test_a_prefetch_without_free_slots_drops_the_rest(store) -> None:
     cache = ExpertCache(store, 2 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2)
     wave = cache.acquire(0, [0, 1])  # both slots pinned by compute
-    cache.prefetch(1, [4, 5])
+    cache.prefetch([(1, 4), (1, 5)])
     cache.release(wave)
-    cache.prefetch(1, [4, 5, 6])  # two slots free up, the third expert has none
+    cache.prefetch([(1, 4), (1, 5), (1, 6)])  # two slots free up, the third expert has none
     layer1 = cache.stats.snapshot().per_layer[1]
     assert (layer1.prefetch_dropped, layer1.prefetch_bytes) == (3, 2 * store.layout.nbytes)
     assert cache.stats.snapshot().per_layer[0].evictions == 2
+
+
+def test_one_prefetch_over_several_layers_books_each_layer(store) -> None:
+    cache = ExpertCache(store, 4 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2)
+    cache.prefetch([(0, 1), (1, 2), (1, 3)])
+    layers = cache.stats.snapshot().per_layer
+    assert [layers[0].prefetch_bytes, layers[1].prefetch_bytes] == [store.layout.nbytes, 2 * store.layout.nbytes]
+    wave = cache.acquire(1, [2, 3])
+    assert sorted(wave.rows(landed=True)) == [2, 3]  # prefetched: hits, nothing pending
+    cache.release(wave)

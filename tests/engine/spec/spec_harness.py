@@ -90,10 +90,13 @@ def assert_kv_matches_prefill(target: BoundModel, ids: list[int]) -> None:
 
 
 class RecordingSink:
-    """Prefetch sink that remembers what it was asked to load."""
+    """Prefetch sink that remembers what it was asked to load: per call, (layer, experts) per layer."""
 
     def __init__(self) -> None:
         self.tasks: list[tuple[int, list[int]]] = []
 
-    def prefetch(self, layer: int, experts: list[int]) -> None:
-        self.tasks.append((layer, list(experts)))
+    def prefetch(self, keys: list[tuple[int, int]]) -> None:
+        by_layer: dict[int, list[int]] = {}
+        for layer, expert in keys:
+            by_layer.setdefault(layer, []).append(expert)
+        self.tasks.extend(by_layer.items())
