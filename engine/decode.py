@@ -11,7 +11,6 @@ from engine.messages import TokenLogprob
 from engine.sampling import apply_penalties, draw, target_distribution, token_logprob
 from engine.sequence import Sequence
 
-
 # what a graph replay can honour; an on_attention_output hook is captured with the forward, so it
 # must only do device work (the speculative expert predictor is written that way)
 _GRAPHABLE_KWARGS = {"last_only", "moe_top_r", "on_attention_output"}

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from engine.models.blocks import CausalLM, MoEBlock
 from engine.spec.stats import SpecStats
 
+
 class PrefetchSink(Protocol):
     def prefetch(self, keys: Sequence[tuple[int, int]]) -> None:
         """Start copying the non-resident (MoE layer, expert) `keys` ahead of need (ExpertCache.prefetch)."""

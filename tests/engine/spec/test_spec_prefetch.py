@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -82,8 +84,8 @@ def test_a_drafted_tokens_predictions_are_handed_over_after_the_next_draft_token
     assert decoder.predictor is not None
     events: list[str] = []
 
-    def logged(name: str, method):  # noqa: ANN001, ANN202
-        def call(*args):  # noqa: ANN002, ANN202
+    def logged(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
             events.append(name)
             return method(*args)
         return call
