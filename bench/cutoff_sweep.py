@@ -14,6 +14,8 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -41,6 +43,20 @@ class ChosenCutoff(logging.Handler):
         if record.getMessage().startswith("SP-MoE draft: cross-model prefetch"):
             self.value = int(record.args[0])
             self.profile = asdict(record.args[1])
+
+
+@contextmanager
+def chosen_cutoff() -> Iterator[ChosenCutoff]:
+    """The SP-MoE cutoff an engine built inside chooses (None if it chose none)."""
+    chosen, log = ChosenCutoff(), logging.getLogger("engine.spec.builder")
+    level = log.level
+    log.addHandler(chosen)
+    log.setLevel(logging.INFO)
+    try:
+        yield chosen
+    finally:
+        log.removeHandler(chosen)
+        log.setLevel(level)
 
 
 def verdict(rows: list[RowResult], num_moe_layers: int, auto_cutoff: int | None) -> dict:
@@ -97,9 +113,6 @@ def main(argv: list[str] | None = None) -> None:
     base = EngineConfig(model=str(setup.target), device=device.type, dtype=args.dtype, max_model_len=args.max_model_len,
                         draft=args.draft, spec="draft", gpu_expert_budget=args.budget, cache_policy=args.cache_policy,
                         spec_tokens=args.spec_tokens)
-    chosen = ChosenCutoff()
-    logging.getLogger("engine.spec.builder").addHandler(chosen)
-    logging.getLogger("engine.spec.builder").setLevel(logging.INFO)
     result = {"title": f"SP-MoE cutoff sweep, {setup.title}, budget {args.budget}, {base.cache_policy}: "
                        f"{len(setup.prompts)} prompts x {args.tokens} tokens",
               "command": "python " + " ".join(sys.argv), "device": torch.cuda.get_device_name()
@@ -111,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
     # The automatic choice is a fixed cutoff once made: read it from an untimed engine, which also
     # takes the process's one-time costs. (Timing it as a row of its own measured the same
     # configuration twice: identical rows differed by up to 25%, the spread between runs.)
-    time_engine_decode("process warm-up", base, setup.prompts[:1], args.warmup_tokens or args.tokens)
+    with chosen_cutoff() as chosen:
+        time_engine_decode("process warm-up", base, setup.prompts[:1], args.warmup_tokens or args.tokens)
     auto_cutoff = chosen.value
     result["auto_profile"] = chosen.profile
     free_device()

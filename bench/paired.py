@@ -19,14 +19,11 @@ baseline every ratio divides by.
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -35,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import suite  # noqa: E402
-from bench.cutoff_sweep import ChosenCutoff  # noqa: E402
+from bench.cutoff_sweep import chosen_cutoff  # noqa: E402
 from bench.floor import measure_bandwidths, step_bytes  # noqa: E402
 from bench.report import write_outputs  # noqa: E402
 from bench.rows import Generation, RowResult, engine_extra, engine_generate, summary  # noqa: E402
@@ -196,20 +193,6 @@ def main(argv: list[str] | None = None) -> None:
         for core in cores:
             core.close()
     print((Path(args.out) / f"{args.stem}.md").read_text())
-
-
-@contextmanager
-def chosen_cutoff() -> Iterator[ChosenCutoff]:
-    """The SP-MoE cutoff an engine built inside chooses (None if it chose none)."""
-    chosen, log = ChosenCutoff(), logging.getLogger("engine.spec.builder")
-    level = log.level
-    log.addHandler(chosen)
-    log.setLevel(logging.INFO)
-    try:
-        yield chosen
-    finally:
-        log.removeHandler(chosen)
-        log.setLevel(level)
 
 
 def quiesce(device: torch.device) -> None:

@@ -80,11 +80,11 @@ class NextLayerPredictor:
         values, ids = (v.transpose(0, 1).reshape(len(targets), -1) for v in top)  # [d, T*k] each
         return Guess(targets, top, rank_by_impact(values, ids, e, self.max_per_layer))
 
-    def remember(self, guess: Guess, ranked: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
-        """Take the guess as read back on the host ([d][m]); return (layer, experts) to prefetch."""
-        wanted = [(target, [e for e in row if e >= 0]) for target, row in zip(guess.targets, ranked)]
-        self._latest.update(wanted)
-        return wanted
+    def remember(self, guess: Guess, ranked: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+        """Take the guess as read back on the host ([d][m]); return the (layer, expert) keys to prefetch."""
+        guessed = {target: [e for e in row if e >= 0] for target, row in zip(guess.targets, ranked)}
+        self._latest.update(guessed)
+        return [(target, e) for target, experts in guessed.items() for e in experts]
 
     def record_used(self, layer: int, used: Sequence[int]) -> None:
         """Score the latest guess for `layer` against the experts it actually used."""

@@ -97,7 +97,7 @@ class _Held:
     """A replayed layer's experts, pinned until the next segment (which reads them) is enqueued."""
 
     wave: Wave
-    prefetches: list[tuple[int, list[int]]]
+    prefetches: list[tuple[int, int]]  # (layer, expert) keys
 
 
 def _chunks(values: list, size: int) -> list[list[int]]:
@@ -188,8 +188,7 @@ class CachedExpertRunner:
         if streamed and guess is not None:
             self.cache.prefetch([(layer + 1, e) for e in back.ranked[0] if e >= 0])
         elif guess is not None:
-            self.cache.prefetch([(target, e) for target, experts in self._predictor.remember(guess, back.ranked)
-                                 for e in experts])
+            self.cache.prefetch(self._predictor.remember(guess, back.ranked))
         return out if job is None else self._cpu.finish(job, out)
 
     def _guess(self, layer: int, x: torch.Tensor, streamed: bool) -> Guess | None:
@@ -298,7 +297,7 @@ class CachedExpertRunner:
         if held is None:
             return
         self.cache.release(held.wave)
-        self.cache.prefetch([(target, e) for target, experts in held.prefetches for e in experts])
+        self.cache.prefetch(held.prefetches)
 
     def count_replayed_tokens(self, tokens: int, experts_per_layer: int) -> None:
         """Book tokens replayed by a one-piece CUDA graph: each MoE layer used that many resident

@@ -82,9 +82,9 @@ class CrossModelPredictor:
         self._latest = torch.zeros(len(self._layers), target.config.top_k, dtype=torch.long,
                                    device=target.device)  # [M, k]
         # on CUDA the predictions travel to pinned memory behind each drafting forward (`collect`)
-        self._on_cuda = self._latest.is_cuda
-        self._host = torch.zeros(self._latest.shape, dtype=torch.long, pin_memory=self._on_cuda)  # [M, k]
-        self._copied = torch.cuda.Event() if self._on_cuda else None
+        on_cuda = self._latest.is_cuda
+        self._host = torch.zeros(self._latest.shape, dtype=torch.long, pin_memory=on_cuda)  # [M, k]
+        self._copied = torch.cuda.Event() if on_cuda else None
         # (MoE layer, expert) predicted this round: each is prefetched once, and scored after the verify pass
         self._predicted: set[tuple[int, int]] = set()
         self.needed: dict[int, set[int]] = {}  # MoE layer -> experts the verify pass ran

@@ -37,7 +37,7 @@ def test_guess_covers_the_later_layers_and_scores_itself() -> None:
     torch.testing.assert_close(probs, token_topk(x, weights[2], 2)[0])
     assert predictor.guess(layer=3, x=x) is None
     wanted = predictor.remember(guess, [ids[0].tolist(), [6, -1]])  # as read back on the host
-    assert wanted == [(2, ids[0].tolist()), (3, [6])]  # -1 pads nothing
+    assert wanted == [(2, e) for e in ids[0].tolist()] + [(3, 6)]  # -1 pads nothing
     predictor.record_used(2, [ids[0, 0].item(), 7 if ids[0, 1].item() != 7 else 6])
     predictor.record_used(0, [1, 2])  # no guess for layer 0: not counted
     per_layer = stats.snapshot().per_layer
