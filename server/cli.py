@@ -19,10 +19,6 @@ from server.engine_client import EngineClient
 from server.settings import ServerSettings
 
 log = logging.getLogger("moe_serve")
-# On SIGTERM requests in flight get this long to finish before they end with a 503 (an error event
-# in a stream); below serving.SHUTDOWN_GRACE_SECONDS and uvicorn's timeout_graceful_shutdown.
-SHUTDOWN_DRAIN_SECONDS = 3.0
-GRACEFUL_SHUTDOWN_SECONDS = 5
 # Idle keep-alive connections are closed after this long. It must outlast the clients' own idle
 # expiry (httpx, so the OpenAI SDK: 5 s): at uvicorn's 5 s both ends expire together, and a request
 # sent on the connection just as the server closes it fails with a ReadError without reaching the app.
@@ -53,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
                         help="larger request bodies get 413")
     parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    parser.add_argument("--drain-seconds", type=float, default=ServerSettings.drain_seconds,
+                        help="on SIGTERM, how long requests in flight get to finish before they end with a 503")
     return parser
 
 
@@ -104,20 +102,21 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
         served_model_name=args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
         api_key=args.api_key or None, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
         metrics_require_key=args.metrics_require_key, max_body_bytes=args.max_body_bytes,
+        drain_seconds=args.drain_seconds,
     )
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn whose shutdown (it stops accepting first) gives requests in flight SHUTDOWN_DRAIN_SECONDS,
+    """uvicorn whose shutdown (it stops accepting first) gives requests in flight `drain_seconds`,
     then fails the rest with a 503 instead of cutting their connections mid-response."""
 
-    def __init__(self, config: uvicorn.Config, engine: EngineClient) -> None:
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_seconds: float) -> None:
         super().__init__(config)
-        self.engine = engine
+        self.engine, self.drain_seconds = engine, drain_seconds
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         drain = asyncio.get_running_loop().call_later(
-            SHUTDOWN_DRAIN_SECONDS, self.engine.fail_in_flight, "the server is shutting down; retry the request")
+            self.drain_seconds, self.engine.fail_in_flight, "the server is shutting down; retry the request")
         try:
             await super().shutdown(sockets)
         finally:
@@ -141,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(settings, engine_config, on_fatal=stop)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="info",
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+                            timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
                             timeout_keep_alive=KEEP_ALIVE_SECONDS)
-    server = DrainingServer(config, app.state.moe.engine)
+    server = DrainingServer(config, app.state.moe.engine, settings.drain_seconds)
     log.info("OpenAI API at http://%s:%d/v1, Prometheus metrics at http://%s:%d/metrics", settings.host,
              settings.port, settings.host, settings.port)
     # uvicorn re-raises a SIGTERM it handled once its graceful shutdown is done, which would make a

@@ -84,5 +84,5 @@ async def _serve(request: Request, state: AppState, body: GenerationFields, prom
     gen = Generation(plan, state.engine, state.metrics, state.tokenizer, body.stop_strings(),
                      state.settings.max_queue)
     if body.stream:
-        return respond_stream(gen, env, body.include_usage())
+        return respond_stream(gen, env, body.include_usage(), state.settings.stream_grace_seconds)
     return await respond_json(request, gen, env)

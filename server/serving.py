@@ -28,9 +28,6 @@ from server.responses import ResponseFormat, usage
 from server.tokenizer import Tokenizer
 
 log = logging.getLogger("moe_serve")
-# sse-starlette cuts every stream the moment uvicorn is told to exit; this keeps them open while
-# the server drains (cli.SHUTDOWN_DRAIN_SECONDS), so each ends with its last chunk or an error event.
-SHUTDOWN_GRACE_SECONDS = 4.0
 
 
 @dataclass(frozen=True)
@@ -152,9 +149,10 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-def respond_stream(gen: Generation, env: Envelope, include_usage: bool) -> EventSourceResponse:
-    return EventSourceResponse(_events(gen, env, include_usage), sep="\n",
-                               shutdown_grace_period=SHUTDOWN_GRACE_SECONDS)
+def respond_stream(gen: Generation, env: Envelope, include_usage: bool, grace_seconds: float) -> EventSourceResponse:
+    """grace_seconds: sse-starlette cuts every stream the moment uvicorn is told to exit; this keeps
+    them open while the server drains, so each ends with its last chunk or an error event."""
+    return EventSourceResponse(_events(gen, env, include_usage), sep="\n", shutdown_grace_period=grace_seconds)
 
 
 async def _events(gen: Generation, env: Envelope, include_usage: bool) -> AsyncIterator[dict]:
