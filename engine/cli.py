@@ -28,6 +28,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: compute a missed expert on the CPU when a start-up profile says that beats "
                              "copying it to the GPU")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                        help="sequences decoded together in one step (continuous batching)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                        help="tokens per step: decodes plus chunks of prompts being prefilled")
+    parser.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                        help="paged KV cache size, e.g. 2GiB (default: room for --max-num-seqs sequences of "
+                             "--max-model-len tokens)")
     parser.add_argument("--record-routing", default=None, metavar="FILE", help="write routing decisions as JSONL")
     parser.add_argument("--spec", default="off", choices=["off", "self", "draft"])
     parser.add_argument("--draft", default=None, help="dense draft checkpoint for --spec draft")
@@ -54,7 +61,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=device, dtype=args.dtype, gpu_expert_budget=args.gpu_expert_budget,
         cache_policy=args.cache_policy, prefetch=args.prefetch, prefetch_depth=args.prefetch_depth,
         cpu_experts=args.cpu_experts,
-        max_model_len=args.max_model_len, record_routing=args.record_routing, spec=args.spec, draft=args.draft,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        record_routing=args.record_routing, spec=args.spec, draft=args.draft,
         spec_tokens=args.spec_tokens, spec_top_r=args.spec_top_r, spec_confidence=args.spec_confidence,
         spec_cutoff=args.spec_cutoff, spec_adaptive_tokens=args.spec_adaptive_tokens,
         spec_adaptive_accept=args.spec_adaptive_accept, cuda_graphs=args.cuda_graphs == "on", trust_remote_code=args.trust_remote_code,

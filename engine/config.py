@@ -9,6 +9,14 @@ _UNIT = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
+def parse_bytes(text: str) -> int:
+    """'512MiB', '2GB', '4096' -> bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"{text!r}: expected a size such as 512MiB or 2GB")
+    return int(float(m.group(1)) * _UNIT[(m.group(2) or "").lower().rstrip("b")])
+
+
 def parse_budget(text: str) -> float | int:
     """'3GiB' -> bytes (int); '0.25' or '25%' -> fraction of all expert bytes (float in (0, 1]).
 
@@ -42,6 +50,12 @@ class EngineConfig:
     prefetch_depth: int = 1  # layers ahead the next-layer predictor looks
     cpu_experts: str = "off"  # off | auto: run a missed expert on the CPU when the start-up profile says it wins
     max_model_len: int = 2048
+    # continuous batching (engine/scheduler.py): sequences per step, tokens per step (decodes plus
+    # prefill chunks), and the paged KV cache's size (None: room for max_num_seqs sequences of
+    # max_model_len tokens)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: str | None = None
     record_routing: str | None = None
     spec: str = "off"  # off | self | draft
     draft: str | None = None

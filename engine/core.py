@@ -1,27 +1,34 @@
-"""EngineCore: take new requests -> schedule -> step (decode or draft/verify) -> outputs.
+"""EngineCore: take new requests -> schedule -> step (one batched forward, or draft/verify) -> outputs.
 
-Scheduling is first-come first-served, one running sequence at a time: the KV cache and the
-expert cache serve a single sequence, which is what bs=1 offloaded decoding wants.
+The scheduler (engine/scheduler.py) picks which chunks of which sequences run in a step, and
+every scheduled sequence runs in ONE forward over the paged KV cache (engine/model_runner.py),
+so the tokens of all of them share each expert copy. With --spec, a sequence decoding alone
+speculates instead while that is measured to pay (engine/spec/switch.py): its KV moves from the
+paged cache into the speculative decoder's one-sequence cache and its new positions move back
+after each draft/verify round, so the next batched step finds it where it left off.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.config import EngineConfig
 from engine.messages import EngineReady, GenerateRequest, MetricsSnapshot, RequestOutput
 from engine.runtime import Runtime, build_runtime
+from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Sequence
+from engine.spec.switch import SpecSwitch
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runtime: Runtime = build_runtime(config)
-        self.waiting: deque[Sequence] = deque()
-        self.running: Sequence | None = None
+        self.scheduler = Scheduler(self.runtime.scheduler_config)
         self.tpot_samples: list[float] = []
+        self.batch_samples: list[tuple[int, int]] = []  # (sequences, tokens) per step since the last snapshot
+        self.spec_switch = SpecSwitch()
+        self._speculating: Sequence | None = None  # the sequence the speculative decoder's caches hold
 
     def ready_info(self) -> EngineReady:
         return EngineReady(
@@ -31,47 +38,103 @@ class EngineCore:
             settings=self.runtime.describe(),
         )
 
-    def add_request(self, request: GenerateRequest) -> None:
-        self.waiting.append(Sequence.from_request(request))
+    def add_request(self, request: GenerateRequest) -> RequestOutput | None:
+        """Queue a request; a request the engine cannot take is answered at once with its error."""
+        seq = Sequence.from_request(request)
+        vocab = self.runtime.model_config.vocab_size
+        try:
+            if any(not 0 <= t < vocab for t in seq.prompt_ids):
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            self.scheduler.add(seq)
+        except ValueError as exc:
+            seq.finish_reason = "error"
+            return self._output(seq, error=str(exc))
+        return None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Drop a request; returns its final output if it was known."""
-        if self.running is not None and self.running.request_id == request_id:
-            seq, self.running = self.running, None
-        else:
-            seq = next((s for s in self.waiting if s.request_id == request_id), None)
-            if seq is None:
-                return None
-            self.waiting.remove(seq)
+        """Drop a request and free its KV at once; returns its final output if it was known."""
+        seq = self.scheduler.find(request_id)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
         seq.finish_reason = "abort"
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.running is not None or bool(self.waiting)
+        return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        if self.running is None:
-            if not self.waiting:
-                return []
-            self.running = self.waiting.popleft()
-            self.runtime.decoder.reset()
-        seq = self.running
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        self.batch_samples.append((len(scheduled.chunks), scheduled.num_tokens))
         started = time.perf_counter()
-        before = len(seq.output_ids)
+        decoding = [c.seq for c in scheduled.chunks if c.seq.output_ids and c.samples]  # not a prefill
+        before = {id(s): len(s.output_ids) for s in decoding}
+        lone = len(decoding) == len(scheduled.chunks) == 1
+        speculate = (lone and self.runtime.decoder is not None
+                     and self.spec_switch.speculate(len(self.scheduler.running), len(self.scheduler.waiting)))
+        outputs = self._speculative_step(decoding[0]) if speculate else self._batched_step(scheduled.chunks)
+        elapsed = time.perf_counter() - started
+        for seq in decoding:  # a prefill's token counts for TTFT, not TPOT
+            produced = len(seq.output_ids) - before[id(seq)]
+            self.tpot_samples.extend([elapsed / produced] * produced if produced else [])
+            if lone:
+                self.spec_switch.record(speculate, elapsed, produced)
+        return outputs
+
+    def _batched_step(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """One forward for every chunk. If it fails, each chunk is retried alone, so only the
+        request that fails by itself gets the error and the others go on."""
+        try:
+            results = self.runtime.batch_runner.execute(chunks)
+        except Exception as exc:  # a failing request must not take the engine or its batch down
+            if len(chunks) > 1:
+                return [out for chunk in chunks for out in self._batched_step([chunk])]
+            return [self._fail(chunks[0].seq, exc)]
+        finally:
+            self.runtime.finish_step()
+        outputs = []
+        for chunk, sampled in zip(chunks, results):
+            self.scheduler.advance(chunk)
+            if sampled is None:
+                continue
+            seq = chunk.seq
+            if seq.append(sampled.token, sampled.logprob, self.runtime.max_model_len):
+                self.scheduler.finish(seq)
+            outputs.append(self._output(seq))
+        return outputs
+
+    def _speculative_step(self, seq: Sequence) -> list[RequestOutput]:
+        """One draft/verify round of a sequence decoding alone, over the decoder's own caches."""
+        target, paged = self.runtime.target.kv, self.runtime.batch_runner.cache
+        if self._speculating is not seq:
+            self.runtime.decoder.reset()  # another sequence's caches: start over (a draft catches up by itself)
+            self._speculating = seq
+        computed = seq.num_computed_tokens
+        target.truncate(min(target.length, computed))
+        paged.copy_to(target, seq.block_table, target.length, computed)  # what batched steps computed meanwhile
+        target.length = computed
         try:
             self.runtime.decoder.step(seq, self.runtime.max_model_len)
         except Exception as exc:  # a failing request must not take the engine down with it
-            self.running = None
-            seq.finish_reason = "error"
-            return [self._output(seq, error=f"{type(exc).__name__}: {exc}")]
+            self._speculating = None
+            return [self._fail(seq, exc)]
         finally:
             self.runtime.finish_step()
-        produced = len(seq.output_ids) - before
-        if before > 0 and produced > 0:  # the first step is the prefill: it counts for TTFT, not TPOT
-            self.tpot_samples.extend([(time.perf_counter() - started) / produced] * produced)
-        if seq.finish_reason is not None:
-            self.running = None
+        seq.num_computed_tokens = target.length  # all of its tokens but the pending one
+        if seq.is_finished:
+            self.scheduler.finish(seq)
+            self._speculating = None
+        else:  # alone with nothing waiting, so the blocks are free
+            self.scheduler.blocks.grow(seq, seq.num_computed_tokens)
+            paged.copy_from(target, seq.block_table, computed, seq.num_computed_tokens)
         return [self._output(seq)]
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        self.scheduler.finish(seq)
+        seq.finish_reason = "error"
+        return self._output(seq, error=f"{type(exc).__name__}: {exc}")
 
     def _output(self, seq: Sequence, error: str | None = None) -> RequestOutput:
         new_ids = tuple(seq.output_ids[seq.emitted :])
@@ -90,9 +153,13 @@ class EngineCore:
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         samples, self.tpot_samples = tuple(self.tpot_samples), []
-        return self.runtime.metrics_snapshot(
-            num_running=int(self.running is not None), num_waiting=len(self.waiting), tpot_samples=samples
+        batches, self.batch_samples = self.batch_samples, []
+        snapshot = self.runtime.metrics_snapshot(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting), tpot_samples=samples
         )
+        return replace(snapshot, batch_size_samples=tuple(b for b, _ in batches),
+                       batch_token_samples=tuple(t for _, t in batches), preemptions=self.scheduler.num_preemptions,
+                       kv_cache_usage=self.scheduler.blocks.usage)
 
     def close(self) -> None:
         self.runtime.close()
@@ -108,7 +175,9 @@ class Completion:
 
 def run_to_completion(core: EngineCore, request: GenerateRequest) -> Completion:
     """Drive one request through the engine alone (CLI, benchmarks); raises on an engine error."""
-    core.add_request(request)
+    rejected = core.add_request(request)
+    if rejected is not None:
+        raise RuntimeError(rejected.error)
     token_ids: list[int] = []
     ttft = first_at = last_at = None
     finish = None

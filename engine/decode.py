@@ -8,7 +8,7 @@ import torch
 from engine.graphs import GraphedDecode
 from engine.kv_cache import KVCache
 from engine.messages import TokenLogprob
-from engine.sampling import apply_penalties, draw, target_distribution, token_logprob
+from engine.sampling import SequenceGenerator, apply_penalties, draw, target_distribution, token_logprob
 from engine.sequence import Sequence
 
 # what a graph replay can honour; an on_attention_output hook is captured with the forward, so it
@@ -41,9 +41,9 @@ class BoundModel:
     """A model bound to one KV cache: forward() continues from wherever the cache ends."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, device: torch.device,
-                 on_forward: Callable[[int], None] | None = None, graphs: GraphedDecode | None = None) -> None:
+                 on_forward: Callable[[range], None] | None = None, graphs: GraphedDecode | None = None) -> None:
         self.model, self.kv, self.device = model, kv, device
-        self.on_forward = on_forward  # told the start position of each forward (routing traces)
+        self.on_forward = on_forward  # told the positions of each forward's tokens (routing traces)
         self.graphs = graphs  # short forwards (decode, draft, verify) replay CUDA graphs when set
 
     def forward(self, ids: list[int], **model_kwargs) -> torch.Tensor:
@@ -55,7 +55,7 @@ class BoundModel:
         hands predicted experts to the cache meanwhile). Read the result before the next launch."""
         start = self.kv.length
         if self.on_forward is not None:
-            self.on_forward(start)
+            self.on_forward(range(start, start + len(ids)))
         if self.graphs is not None and set(model_kwargs) <= _GRAPHABLE_KWARGS and self.graphs.accepts(len(ids)):
             logits = self.graphs.forward(ids, model_kwargs.get("moe_top_r"), model_kwargs.get("on_attention_output"))
             return PendingLogits(logits[-1:] if model_kwargs.get("last_only") else logits)
@@ -66,13 +66,13 @@ class BoundModel:
         self.kv.reset()
 
 
-def choose_token(seq: Sequence, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+def choose_token(seq: Sequence, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, TokenLogprob | None]:
     """Sample (or argmax) the next token of seq from one position's logits [V]."""
     logits = apply_penalties(logits, seq.params, seq.output_counts)
     if seq.params.temperature == 0:  # the argmax of the one-hot target_distribution, without building it
         token = int(logits.argmax())
     else:
-        token = draw(target_distribution(logits, seq.params), seq.generator)
+        token = draw(target_distribution(logits, seq.params), generator)
     logprob = None if seq.params.logprobs is None else token_logprob(logits, token, seq.params.logprobs)
     return token, logprob
 
@@ -88,13 +88,17 @@ class Decoder(Protocol):
 
 
 class PlainDecoder:
-    def __init__(self, target: BoundModel) -> None:
+    """One sequence at a time over a BoundModel (speculative decoding's prefill, references in tests
+    and benchmarks); the engine's own plain decoding is batched (engine/model_runner.py)."""
+
+    def __init__(self, target: BoundModel, generator: SequenceGenerator | None = None) -> None:
         self.target = target
+        self.generator = SequenceGenerator() if generator is None else generator
 
     def step(self, seq: Sequence, max_model_len: int) -> None:
         pending = seq.all_ids[self.target.kv.length :]  # prompt on the first step, else the last token
         logits = self.target.forward(pending, last_only=True)[-1]  # [V]
-        token, logprob = choose_token(seq, logits)
+        token, logprob = choose_token(seq, logits, self.generator(seq))
         seq.append(token, logprob, max_model_len)
 
     def reset(self) -> None:

@@ -96,3 +96,7 @@ class MetricsSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     tpot_samples: tuple[float, ...] = ()  # per-token times observed since the last snapshot
+    batch_size_samples: tuple[int, ...] = ()  # sequences in each step since the last snapshot
+    batch_token_samples: tuple[int, ...] = ()  # tokens fed in each step since the last snapshot
+    preemptions: int = 0  # sequences whose KV was freed to be recomputed later
+    kv_cache_usage: float = 0.0  # share of KV blocks in use

@@ -67,7 +67,9 @@ class EngineLoop:
 
     def handle(self, message: GenerateRequest | AbortRequest) -> None:
         if isinstance(message, GenerateRequest):
-            self.core.add_request(message)
+            rejected = self.core.add_request(message)
+            if rejected is not None:
+                self.outbox.put(rejected)
         elif isinstance(message, AbortRequest):
             final = self.core.abort_request(message.request_id)
             if final is not None:

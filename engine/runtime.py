@@ -11,20 +11,25 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
-from engine.config import EngineConfig
-from engine.decode import BoundModel, Decoder, PlainDecoder
+from engine.config import EngineConfig, parse_bytes
+from engine.decode import BoundModel, Decoder
 from engine.experts.runner import CachedExpertRunner
 from engine.experts.stats import LayerStats, StatsSnapshot
-from engine.graphs import GraphedDecode
+from engine.graphs import GraphedBatchDecode, GraphedDecode
+from engine.kv.block_manager import blocks_for
+from engine.kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from engine.kv_cache import KVCache
 from engine.loader import load_model, read_config, resolve_dtype
 from engine.messages import MetricsSnapshot
+from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
+from engine.scheduler import SchedulerConfig
 from engine.spec.builder import build_spec_decoder
 from engine.spec.stats import SpecStats
 from engine.trace import RoutingRecorder
 
 log = logging.getLogger(__name__)
+KV_BLOCK_SIZE = 16  # token positions per KV block (vLLM's default)
 
 
 def _difference(now: StatsSnapshot, before: StatsSnapshot | None) -> LayerStats:
@@ -39,9 +44,11 @@ def _difference(now: StatsSnapshot, before: StatsSnapshot | None) -> LayerStats:
 class Runtime:
     config: EngineConfig
     model_config: ModelConfig
-    target: BoundModel
+    target: BoundModel  # the model over a one-sequence cache: speculative decoding, references, benchmarks
     runner: CachedExpertRunner | None
-    decoder: Decoder
+    decoder: Decoder | None  # the speculative decoder (--spec), for sequences decoding alone
+    batch_runner: ModelRunner  # every scheduled sequence in one forward
+    scheduler_config: SchedulerConfig
     max_model_len: int
     spec_stats: SpecStats = field(default_factory=SpecStats)
     recorder: RoutingRecorder | None = None
@@ -130,6 +137,9 @@ class Runtime:
             "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
             "prefetch": cfg.prefetch, "cpu_experts": cfg.cpu_experts, "spec": cfg.spec,
             "max_model_len": self.max_model_len,
+            "max_num_seqs": self.scheduler_config.max_num_seqs,
+            "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
+            "kv_blocks": self.scheduler_config.num_blocks, "kv_block_size": self.scheduler_config.block_size,
             "cuda_graphs": self.target.graphs is not None,
             "cache_slots": self.runner.cache.capacity if self.runner is not None else 0,
             "cpu_expert_costs": asdict(costs) if costs is not None else None,
@@ -145,11 +155,13 @@ class Runtime:
 def _graphs(config: EngineConfig, model, kv: KVCache, runner: CachedExpertRunner | None) -> GraphedDecode | None:
     """CUDA graphs for short forwards (decode, draft, verify): whole when nothing needs the host, piecewise
     around each MoE layer's cache decision when experts are offloaded."""
-    if not (config.cuda_graphs and kv.keys.is_cuda and model.supports_static_forward):
-        return None
-    if runner is not None and not (runner.graph_safe or runner.replayable):
-        return None
-    return GraphedDecode(model, kv, runner)
+    return GraphedDecode(model, kv, runner) if _graphable(config, model, kv.keys, runner) else None
+
+
+def _graphable(config: EngineConfig, model, cache: torch.Tensor, runner: CachedExpertRunner | None) -> bool:
+    if not (config.cuda_graphs and cache.is_cuda and model.supports_static_forward):
+        return False
+    return runner is None or runner.graph_safe or runner.replayable
 
 
 def _with_prefetch_fallback(config: EngineConfig) -> EngineConfig:
@@ -189,7 +201,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
     target = BoundModel(loaded.model, kv, device, on_forward=recorder.begin_forward if recorder else None,
                         graphs=_graphs(config, loaded.model, kv, runner))
     spec_stats = SpecStats()
-    decoder: Decoder = PlainDecoder(target)
+    decoder: Decoder | None = None
     if config.spec != "off":
         def load_draft() -> BoundModel:
             draft = load_model(config.draft, device, dtype).model
@@ -197,6 +209,33 @@ def build_runtime(config: EngineConfig) -> Runtime:
             return BoundModel(draft, draft_kv, device, graphs=_graphs(config, draft, draft_kv, None))
 
         decoder = build_spec_decoder(config, target, runner, load_draft, spec_stats)
+    scheduler_config = _batching(config, loaded.config, dtype, max_len)
+    paged = PagedKVCache.for_model(loaded.config, scheduler_config.num_blocks, KV_BLOCK_SIZE, device=device,
+                                   dtype=dtype)
+    batch_graphs = None
+    if _graphable(config, loaded.model, paged.keys, runner):
+        batch_graphs = GraphedBatchDecode(loaded.model, paged, runner, config.max_num_seqs,
+                                          blocks_for(max_len, KV_BLOCK_SIZE))
+    batch_runner = ModelRunner(loaded.model, paged, max_len, on_forward=recorder.begin_forward if recorder else None,
+                               graphs=batch_graphs)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),
                                   "spec": config.spec})
-    return Runtime(config, loaded.config, target, runner, decoder, max_len, spec_stats, recorder)
+    return Runtime(config, loaded.config, target, runner, decoder, batch_runner, scheduler_config, max_len, spec_stats,
+                   recorder)
+
+
+def _batching(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> SchedulerConfig:
+    """The scheduler's limits and the paged KV cache's size, with the arithmetic in the log."""
+    per_token = kv_bytes_per_token(model_config, dtype)
+    per_block = per_token * KV_BLOCK_SIZE
+    if config.kv_cache_memory is None:
+        num_blocks = config.max_num_seqs * blocks_for(max_len, KV_BLOCK_SIZE)
+    else:
+        num_blocks = parse_bytes(config.kv_cache_memory) // per_block
+    scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, num_blocks, KV_BLOCK_SIZE,
+                                       max_len)
+    log.info("KV cache: %d bytes per token, %d blocks of %d tokens = %.1f MiB: %d tokens, %.1f sequences of "
+             "max_model_len %d (at most %d run at once, %d tokens per step)", per_token, num_blocks, KV_BLOCK_SIZE,
+             num_blocks * per_block / 2**20, num_blocks * KV_BLOCK_SIZE, num_blocks * KV_BLOCK_SIZE / max_len, max_len,
+             config.max_num_seqs, config.max_num_batched_tokens)
+    return scheduler_config

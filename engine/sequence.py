@@ -1,14 +1,23 @@
-"""One request's generation state inside the engine (plain Python; no tensors but its RNG)."""
+"""One request's generation state inside the engine (plain Python, no torch: the scheduler is tested without it).
+
+A Sequence owns its progress: `num_computed_tokens` says how many of all_ids have their keys and
+values in the KV cache, `block_table` which KV blocks hold them. Nothing infers either from the cache.
+"""
 from __future__ import annotations
 
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-
-import torch
+from enum import Enum
 
 from engine.messages import GenerateRequest, SamplingParams, TokenLogprob
-from engine.sampling import make_generator
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
 
 
 @dataclass
@@ -16,7 +25,9 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    # seeds every random draw of this request: the request's own seed, else one picked at arrival,
+    # so a request samples the same tokens alone or in any batch (engine/sampler.py)
+    seed: int
     arrival_time: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     output_counts: Counter[int] = field(default_factory=Counter)
@@ -24,18 +35,36 @@ class Sequence:
     first_token_time: float | None = None
     finish_reason: str | None = None
     emitted: int = 0  # output tokens already sent to the client
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # all_ids[:num_computed_tokens] have their KV in block_table's blocks
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
 
     @classmethod
     def from_request(cls, request: GenerateRequest) -> "Sequence":
-        return cls(request.request_id, list(request.prompt_ids), request.params, make_generator(request.params.seed))
+        seed = request.params.seed if request.params.seed is not None else random.getrandbits(63)
+        return cls(request.request_id, list(request.prompt_ids), request.params, seed)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens the next forwards must feed: the prompt (or its rest) at first, then the last sampled token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
 
     def append(self, token: int, logprob: TokenLogprob | None, max_model_len: int) -> bool:
         """Add one generated token; returns True once the sequence is finished."""
@@ -47,6 +76,6 @@ class Sequence:
             self.first_token_time = time.perf_counter()
         if token in self.params.stop_token_ids:
             self.finish_reason = "stop"
-        elif self.remaining <= 0 or len(self.prompt_ids) + len(self.output_ids) >= max_model_len:
+        elif self.remaining <= 0 or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None

@@ -2,7 +2,7 @@
 
 One line per (token position, MoE layer), in the order the layers ran:
   step          index of the forward (lines of one step and layer form one layer run)
-  pos, layer    token position, MoE layer index
+  pos, layer    token position (in its own sequence: a batched step has tokens of several), MoE layer index
   experts       the experts the token was routed to, probs: their router probabilities
   top_experts   the token's 2*top_k most probable experts, top_probs: their probabilities
                 (what MRS scores see)
@@ -13,6 +13,7 @@ One line per (token position, MoE layer), in the order the layers ran:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -28,11 +29,12 @@ class RoutingRecorder:
         self.top_p = 2 * top_k
         self._file = open(path, "w", encoding="utf-8")
         self._step = -1
-        self._start = 0
+        self._positions: Sequence[int] = ()
 
-    def begin_forward(self, start_pos: int) -> None:
+    def begin_forward(self, positions: Sequence[int]) -> None:
+        """The next forward's tokens are at these positions (one per token, in feeding order)."""
         self._step += 1
-        self._start = start_pos
+        self._positions = positions
 
     def on_layer(self, routing: LayerRouting, next_guess: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         probs = routing.router_probs.float()  # [T, E]
@@ -47,7 +49,7 @@ class RoutingRecorder:
             columns["next_experts"] = next_guess[1].tolist()
             columns["next_probs"] = next_guess[0].float().tolist()
         for t in range(probs.shape[0]):
-            line = {"step": self._step, "pos": self._start + t, "layer": routing.layer}
+            line = {"step": self._step, "pos": self._positions[t], "layer": routing.layer}
             line.update((name, values[t]) for name, values in columns.items())
             self._file.write(json.dumps(line) + "\n")
 

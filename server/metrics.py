@@ -19,7 +19,10 @@ from engine.messages import MetricsSnapshot
 FINISH_REASONS = ("stop", "length", "abort", "error")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5, 5)
-_GAUGE_FIELDS = frozenset({"resident_experts", "num_running", "num_waiting", "tpot_samples"})
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+BATCH_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_GAUGE_FIELDS = frozenset({"resident_experts", "num_running", "num_waiting", "tpot_samples", "batch_size_samples",
+                           "batch_token_samples", "kv_cache_usage"})
 
 
 def _add(a: MetricsSnapshot, b: MetricsSnapshot) -> MetricsSnapshot:
@@ -87,6 +90,10 @@ class EngineSnapshotCollector(Collector):
         yield GaugeMetricFamily("moe_num_requests_running", "Engine requests being decoded.", value=s.num_running)
         yield GaugeMetricFamily("moe_num_requests_waiting", "Engine requests queued in the engine.",
                                 value=s.num_waiting)
+        yield CounterMetricFamily("moe_preemptions", "Sequences whose KV blocks were freed, to be recomputed later.",
+                                  value=s.preemptions)
+        yield GaugeMetricFamily("moe_kv_cache_usage_ratio", "Share of the paged KV cache's blocks in use.",
+                                value=s.kv_cache_usage)
 
 
 def _per_layer(name: str, doc: str, values: tuple[int, ...]) -> CounterMetricFamily:
@@ -117,6 +124,10 @@ class ServerMetrics:
                                          registry=self.registry)
         self.requests = Counter("moe_requests", "Finished choices by finish reason.", ["finish_reason"],
                                 registry=self.registry)
+        self.batch_size = Histogram("moe_batch_size", "Sequences in one engine step.", buckets=BATCH_SIZE_BUCKETS,
+                                    registry=self.registry)
+        self.batch_tokens = Histogram("moe_batch_tokens", "Tokens fed in one engine step (decodes and prefill chunks).",
+                                      buckets=BATCH_TOKEN_BUCKETS, registry=self.registry)
         for reason in FINISH_REASONS:
             self.requests.labels(reason)
 
@@ -124,6 +135,10 @@ class ServerMetrics:
         self.engine.update(snapshot)
         for seconds in snapshot.tpot_samples:
             self.tpot.observe(seconds)
+        for size in snapshot.batch_size_samples:
+            self.batch_size.observe(size)
+        for tokens in snapshot.batch_token_samples:
+            self.batch_tokens.observe(tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

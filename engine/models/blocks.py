@@ -1,20 +1,23 @@
 """Shared blocks of every family: RMSNorm, GQA attention over the KV cache, SwiGLU MLP, the MoE block
 (router -> fp32 softmax -> top-k -> family normalisation -> ExpertRunner), and the CausalLM itself.
 
-One sequence per forward (batch size 1): x is [T, H] where T is the prefill length or a verify span.
+x is [T, H]: the tokens of one forward, of one sequence (a prefill, a decode token, a verify span;
+its KV in a contiguous KVCache) or of a whole batch (chunks of many sequences; paged KV). Only
+attention tells them apart: it goes through the forward's KVAttention, everything else is per token.
 Weights are allocated directly on the target device in the target dtype and then overwritten by
 the loader; a freshly built CausalLM holds random weights.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.experts.routing import ExpertRunner, LayerRouting
+from engine.kv.paged_cache import PagedStep
 from engine.kv_cache import KVCache
 from engine.models.config import ModelConfig
 from engine.models.rope import RotaryEmbedding, apply_rotary
@@ -22,20 +25,22 @@ from engine.models.rope import RotaryEmbedding, apply_rotary
 AttentionHook = Callable[[int, torch.Tensor], None]  # (decoder layer index, h [T, H])
 
 
+class KVAttention(Protocol):
+    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this forward's k, v [T, nkv, D] and attend q [T, nq, D] over the cache -> [T, nq*D]."""
+        ...
+
+
 @dataclass(frozen=True)
 class _Step:
     """What every layer needs to know about the current forward."""
 
-    start: int
-    kv: KVCache
     cos: torch.Tensor  # [T, 1, D]
     sin: torch.Tensor  # [T, 1, D]
-    masks: dict[int | None, torch.Tensor | None]  # attention window -> bool mask [T, S] (None: causal or none needed)
+    attention: KVAttention
     runner: ExpertRunner | None
     moe_top_r: int | None
     on_attention_output: AttentionHook | None
-    positions: torch.Tensor | None = None  # [T] on device: static-shape (graph) forward
-    span: int = 0  # keys every query attends over in a static-shape forward
 
 
 class RMSNorm(nn.Module):
@@ -69,7 +74,6 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.gqa = config.num_heads != config.num_kv_heads
         self.qk_norm = config.qk_norm
         self.clip_qkv = config.clip_qkv
         self.window = config.attention_windows[layer]
@@ -94,14 +98,29 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
-        if step.positions is None:
-            keys, values = step.kv.write(self.layer, step.start, k, v)  # [S, nkv, D] each
-        else:
-            keys, values = step.kv.write_at(self.layer, step.positions, k, v, step.span)  # [span, nkv, D]
-        out = self._attend(q, keys, values, step.masks[self.window], step.start == 0 and t > 1)  # [T, nq*D]
+        out = step.attention.attend(self.layer, self.window, q, k, v)  # [T, nq*D]
         return self.o(out)  # [T, H]
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+
+@dataclass(frozen=True)
+class SequenceAttention:
+    """One sequence's forward over its contiguous KVCache (speculative decoding and its graphs)."""
+
+    kv: KVCache
+    start: int
+    masks: dict[int | None, torch.Tensor | None]  # attention window -> bool mask [T, S] (None: causal or none needed)
+    positions: torch.Tensor | None = None  # [T] on device: static-shape (graph) forward
+    span: int = 0  # keys every query attends over in a static-shape forward
+
+    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.positions is None:
+            keys, values = self.kv.write(layer, self.start, k, v)  # [S, nkv, D] each
+        else:
+            keys, values = self.kv.write_at(layer, self.positions, k, v, self.span)  # [span, nkv, D]
+        return self._attend(q, keys, values, self.masks[window], self.start == 0 and q.shape[0] > 1)  # [T, nq*D]
+
+    @staticmethod
+    def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
         """q [T, nq, D] over keys/values [S, nkv, D] -> [T, nq*D].
 
@@ -112,9 +131,9 @@ class Attention(nn.Module):
         query heads j*g .. j*g+g-1).
         """
         t, nq, d = q.shape
+        nkv = keys.shape[1]
         k4, v4 = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, nkv, S, D]
-        if mask is not None and self.gqa:
-            nkv = keys.shape[1]
+        if mask is not None and nq != nkv:
             g = nq // nkv
             q4 = q.view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(1, nkv, g * t, d)  # rows (i, t) per kv head
             out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask.repeat(g, 1)[None, None])
@@ -123,7 +142,7 @@ class Attention(nn.Module):
             q.transpose(0, 1)[None], k4, v4,  # [1, nq, T, D]
             attn_mask=None if mask is None else mask[None, None],
             is_causal=mask is None and causal,
-            enable_gqa=self.gqa,
+            enable_gqa=nq != nkv,
         )  # [1, nq, T, D]
         return out[0].transpose(0, 1).reshape(t, nq * d)
 
@@ -280,10 +299,26 @@ class CausalLM(nn.Module):
         t = input_ids.shape[0]
         cos, sin = self.rotary.cos_sin(start_pos, t, self.dtype)
         masks = {w: attention_mask(start_pos, t, w, self.device) for w in set(self.config.attention_windows)}
-        step = _Step(start_pos, kv, cos, sin, masks, self.runner, moe_top_r, on_attention_output)
+        step = _Step(cos, sin, SequenceAttention(kv, start_pos, masks), self.runner, moe_top_r, on_attention_output)
         logits = self._layers_and_head(input_ids, step, last_only)
         kv.length = start_pos + t
         return logits
+
+    @torch.inference_mode()
+    def forward_batch(self, input_ids: torch.Tensor, paged: PagedStep, chunks: list[tuple[int, int]] | None,
+                      logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """Logits [R, V] of rows logit_rows [R] (all T rows when None) of a batch of sequences' tokens [T].
+
+        `paged` says where each token belongs; `chunks` ((start, length) per sequence, in feeding
+        order) is needed only by dynamic-NTK RoPE, whose frequencies depend on each sequence's length.
+        """
+        cos, sin = (self.rotary.cos_sin_chunks(chunks, self.dtype) if self.rotary.rope.rope_type == "dynamic"
+                    else self.rotary.cos_sin_at(paged.positions, self.dtype))
+        step = _Step(cos, sin, paged, self.runner, None, None)
+        x = self._layers(input_ids, step)  # [T, H]
+        if logit_rows is not None:
+            x = x.index_select(0, logit_rows)  # [R, H]
+        return self.lm_head(self.norm(x))  # [R, V]
 
     @property
     def supports_static_forward(self) -> bool:
@@ -301,13 +336,18 @@ class CausalLM(nn.Module):
         """
         cos, sin = self.rotary.cos_sin_at(positions, self.dtype)
         masks = {w: static_attention_mask(positions, span, w) for w in set(self.config.attention_windows)}
-        step = _Step(0, kv, cos, sin, masks, self.runner, moe_top_r, on_attention_output, positions, span)
+        attention = SequenceAttention(kv, 0, masks, positions, span)
+        step = _Step(cos, sin, attention, self.runner, moe_top_r, on_attention_output)
         return self._layers_and_head(input_ids, step, last_only=False)
 
-    def _layers_and_head(self, input_ids: torch.Tensor, step: _Step, last_only: bool) -> torch.Tensor:
+    def _layers(self, input_ids: torch.Tensor, step: _Step) -> torch.Tensor:
         x = self.embed(input_ids)  # [T, H]
         for layer in self.layers:
             x = layer(x, step)
+        return x  # [T, H]
+
+    def _layers_and_head(self, input_ids: torch.Tensor, step: _Step, last_only: bool) -> torch.Tensor:
+        x = self._layers(input_ids, step)
         if last_only:
             x = x[-1:]
         return self.lm_head(self.norm(x))  # [T, V]

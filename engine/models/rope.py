@@ -158,6 +158,11 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(start, start + length, device=inv_freq.device)  # [T]
         return self.cos_sin_at(positions, dtype, inv_freq)
 
+    def cos_sin_chunks(self, chunks: list[tuple[int, int]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D] for several sequences' chunks (start, length), concatenated in order."""
+        parts = [self.cos_sin(start, length, dtype) for start, length in chunks]
+        return torch.cat([c for c, _ in parts]), torch.cat([s for _, s in parts])
+
     def cos_sin_at(self, positions: torch.Tensor, dtype: torch.dtype,
                    inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for a device tensor of positions [T] (no host values: CUDA-graph safe)."""

@@ -25,7 +25,7 @@ import torch
 
 from engine.decode import BoundModel, PendingLogits, PlainDecoder, choose_token
 from engine.kv_cache import KVCache
-from engine.sampling import apply_penalties, draw, target_distribution, token_logprob
+from engine.sampling import SequenceGenerator, apply_penalties, draw, target_distribution, token_logprob
 from engine.sequence import Sequence
 from engine.spec.acceptance import AcceptRule, verify_position
 from engine.spec.adaptive import AdaptiveGamma, AdaptiveGammaConfig
@@ -68,7 +68,8 @@ class SpecDecoder:
                  predictor: CrossModelPredictor | None = None, stats: SpecStats | None = None) -> None:
         self.target, self.drafter, self.config, self.predictor = target, drafter, config, predictor
         self.stats = SpecStats() if stats is None else stats
-        self.prefill = PlainDecoder(target)
+        self.generator = SequenceGenerator()
+        self.prefill = PlainDecoder(target, self.generator)
         self.adaptive = AdaptiveGamma(AdaptiveGammaConfig(config.gamma)) if config.adaptive_gamma else None
 
     def step(self, seq: Sequence, max_model_len: int) -> None:
@@ -107,7 +108,7 @@ class SpecDecoder:
             logits = apply_penalties(pending.result()[-1], seq.params, counts)  # [V]
             predicted = None if self.predictor is None else self.predictor.predictions()
             q = None if greedy else target_distribution(logits, seq.params)  # [V]
-            token = int(logits.argmax()) if q is None else draw(q, seq.generator)
+            token = int(logits.argmax()) if q is None else draw(q, self.generator(seq))
             drafts.append(Drafted(token, q))
             ids = ids + [token]
             counts[token] += 1  # the next draft position sees this token's penalty, as verify will
@@ -141,11 +142,11 @@ class SpecDecoder:
         for i, draft in enumerate(drafts):
             row = apply_penalties(logits[i], seq.params, seq.output_counts)  # [V] counts include kept drafts
             p = row if rule.greedy else target_distribution(row, seq.params)  # greedy needs only the argmax
-            token, kept = verify_position(p, draft.q, draft.token, rule, seq.generator)
+            token, kept = verify_position(p, draft.q, draft.token, rule, self.generator(seq))
             logprob = None if seq.params.logprobs is None else token_logprob(row, token, seq.params.logprobs)
             if seq.append(token, logprob, max_model_len) or not kept:
                 return i + int(kept)
-        token, logprob = choose_token(seq, logits[len(drafts)])
+        token, logprob = choose_token(seq, logits[len(drafts)], self.generator(seq))
         seq.append(token, logprob, max_model_len)
         return len(drafts)
 

@@ -106,7 +106,7 @@ def test_replay_of_a_recorded_live_run_reproduces_its_counters(tmp_path: Path, p
         runner.set_router_weights(routers)
         start = 0
         for tokens in (4, 1, 1, 3, 1, 1):  # a prefill, decodes and a verify span: waves included
-            recorder.begin_forward(start)
+            recorder.begin_forward(range(start, start + tokens))
             x = torch.randn(tokens, hidden, generator=gen)  # [T, H]
             for layer in range(layers):
                 probs = (x @ routers[layer].T).softmax(-1)  # [T, E]

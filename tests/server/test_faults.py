@@ -33,15 +33,17 @@ from tests.server.conftest import RunningServer, start_server
 
 TIMEOUT_S = 60.0  # per request: a hang fails the test instead of stalling it
 ENGINE_DOWN = "stream_error:engine_unavailable"  # what a stream in flight sees when the engine dies or the server stops
-# The victim's SIGTERM drain: short, so the work queued when the signal comes always outlasts it
-# however fast this machine decodes.
+# The victim's SIGTERM drain is short and it batches at most 4 sequences, so the work queued when
+# the signal comes always outlasts the drain however fast this machine decodes.
 DRAIN_SECONDS = 0.5
+VICTIM_MAX_NUM_SEQS = 4
 
 
 @pytest.fixture(scope="module")
 def victim(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     """A server of this module's own: the kill test restarts its engine, the SIGTERM test stops it."""
-    running = start_server(tiny_model, tmp_path_factory.mktemp("logs"), "--drain-seconds", str(DRAIN_SECONDS))
+    running = start_server(tiny_model, tmp_path_factory.mktemp("logs"), "--drain-seconds", str(DRAIN_SECONDS),
+                           "--max-num-seqs", str(VICTIM_MAX_NUM_SEQS))
     yield running
     if running.process.poll() is None:
         running.stop()
@@ -184,7 +186,7 @@ def test_sigterm_drains_then_exits_zero(victim: RunningServer, long_prompts: lis
     async def scenario() -> tuple[list[Result], float, float]:
         load = asyncio.ensure_future(run_phase(t, long_prompts, long_refs, 48, Mix(raw_fraction=1.0, seed=3),
                                                TIMEOUT_S, requests=48))
-        while (await engine_gauges(t)).get("moe_num_requests_waiting", 0) < 32:  # >= 4 s of work at 1.5 ms/token
+        while (await engine_gauges(t)).get("moe_num_requests_waiting", 0) < 32:  # 8 rounds of 4 x ~150 tokens
             await asyncio.sleep(0.05)
         victim.process.send_signal(signal.SIGTERM)
         signalled = time.perf_counter()

@@ -75,8 +75,8 @@ def test_full_queue_is_429_with_retry_after(strict: RunningServer) -> None:
     release = threading.Event()
 
     def hold_two_slots() -> None:  # n=2 streaming: two engine requests in flight for ~400 tokens
-        # seeds 9 and 10 run to max_tokens on the tiny model (no early EOS), so the slots stay taken
-        job = {"model": strict.model, "prompt": "hello", "max_tokens": 200, "n": 2, "seed": 9, "stream": True}
+        # seeds 12 and 13 run to max_tokens on the tiny model (no early EOS), so the slots stay taken
+        job = {"model": strict.model, "prompt": "hello", "max_tokens": 200, "n": 2, "seed": 12, "stream": True}
         with httpx.stream("POST", strict.base_url + "/v1/completions", headers=AUTH, timeout=60, json=job) as resp:
             for _ in resp.iter_lines():
                 first_event.set()

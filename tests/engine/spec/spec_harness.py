@@ -14,7 +14,6 @@ from engine.loader import load_model
 from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
 from engine.models.config import ModelConfig
-from engine.sampling import make_generator
 from engine.sequence import Sequence
 from engine.spec.config import SpecConfig
 from engine.spec.draft_spec import DraftSpecDecoder
@@ -58,7 +57,7 @@ def prefill_kv(model: CausalLM, ids: list[int]) -> KVCache:
 def generate(decoder: Decoder, target: BoundModel, prompt: list[int], params: SamplingParams,
              max_model_len: int = MAX_LEN) -> Sequence:
     """Run decoder to completion, checking the KV invariant after every step."""
-    seq = Sequence("test", list(prompt), params, make_generator(params.seed))
+    seq = Sequence("test", list(prompt), params, seed=0 if params.seed is None else params.seed)
     decoder.reset()
     while seq.finish_reason is None:
         before = len(seq.output_ids)

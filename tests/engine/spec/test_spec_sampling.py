@@ -15,7 +15,7 @@ import torch
 from engine.decode import BoundModel
 from engine.kv_cache import KVCache
 from engine.messages import SamplingParams
-from engine.sampling import apply_penalties, make_generator, target_distribution
+from engine.sampling import apply_penalties, target_distribution
 from engine.sequence import Sequence
 from engine.spec.config import SpecConfig
 from engine.spec.loop import Drafter, SpecDecoder
@@ -63,11 +63,10 @@ def exact_distribution(lm: BigramLM) -> dict[tuple[int, ...], float]:
 
 
 def sample_continuations(decoder: SpecDecoder, target: BoundModel, samples: int) -> Counter[tuple[int, ...]]:
-    generator = make_generator(2024)  # one stream across samples: independent draws
     seen: Counter[tuple[int, ...]] = Counter()
-    for _ in range(samples):
+    for i in range(samples):
         decoder.reset()
-        seq = Sequence("s", list(PROMPT), PARAMS, generator)
+        seq = Sequence("s", list(PROMPT), PARAMS, seed=2024 + i)  # a seed per sample: independent draws
         target.forward(PROMPT)  # the prefill; FIRST is its (given) token
         seq.append(FIRST, None, 64)
         while seq.finish_reason is None:

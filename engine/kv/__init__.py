@@ -1,0 +1,1 @@
+"""The paged KV cache: block bookkeeping (no torch), the device storage, and attention over it."""

@@ -1,0 +1,221 @@
+"""Paged attention equals plain attention over each sequence's contiguous keys and values.
+
+The cache is built the way the block manager lays it out: every sequence's blocks are a random
+permutation of the physical blocks, rows past a sequence's length and spare blocks hold NaN, and
+block-table entries past a sequence's length point out of range, so either path reading anything
+it should not shows up. Queries are the last few positions of each sequence (verify spans and
+single decode tokens), shuffled across sequences.
+
+On CPU the Triton kernel runs in Triton's interpreter (TRITON_INTERPRET=1 must be set before
+triton is imported, so those cases run in a subprocess); on a GPU it is compiled, compared in
+bf16, and captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.kv.paged_attention as pa
+from engine.kv.paged_attention import (PagedAttentionConfig, paged_attention, paged_attention_available,
+                                       paged_attention_torch)
+
+ROOT = Path(__file__).resolve().parents[3]
+# (sequence lengths, queries per sequence, nkv, g, D, block_size, window)
+CASES = [
+    ([1, 7, 33, 20], [1, 1, 1, 1], 2, 1, 16, 4, None),  # decode tokens, one a first token
+    ([9, 40, 17], [3, 5, 1], 2, 2, 16, 4, 6),  # verify spans and a decode token, sliding window
+    ([5, 50, 31], [2, 4, 1], 1, 2, 24, 16, None),  # D not a power of two
+    ([64, 3], [4, 3], 2, 1, 8, 16, 10),  # a whole prefill from 0 beside a span, window
+    ([12, 70], [1, 6], 2, 2, 32, 4, 100),  # window wider than every sequence
+    ([26], [26], 1, 4, 16, 16, 7),  # a prefill with g = 4
+]
+CUDA_CASES = [
+    ([1, 300, 1000, 77], [1, 1, 1, 1], 8, 4, 128, 16, None),
+    ([513, 64, 200], [5, 5, 1], 8, 4, 128, 16, 128),
+    ([100, 250], [1, 4], 4, 2, 80, 16, None),  # D = 80: masked to 128
+    ([40, 2000], [8, 1], 2, 8, 64, 32, 4096),
+]
+# Fewer keys per step than most spans: every program loops, and tiles straddle blocks.
+TINY = PagedAttentionConfig(keys_per_step=16, num_warps=1)
+
+
+@dataclass
+class Problem:
+    q: torch.Tensor  # [T, nq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, nkv, D]
+    v_cache: torch.Tensor  # [num_blocks, block_size, nkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_seq: torch.Tensor  # [T] int32
+    query_pos: torch.Tensor  # [T] int64
+    keys: list[torch.Tensor]  # per sequence [len, nkv, D], contiguous
+    values: list[torch.Tensor]
+    window: int | None
+    max_span: int
+    scale: float
+
+    def args(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k_cache, self.v_cache, self.block_tables, self.query_seq, self.query_pos
+
+
+def make_problem(case: tuple, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Problem:
+    lengths, queries, nkv, g, d, block_size, window = case
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(counts) + 3  # spare blocks, left NaN
+    perm = torch.randperm(num_blocks, generator=gen)
+    # Junk past each sequence's blocks: out of range, so a read of it would fault or show.
+    tables = torch.randint(num_blocks, num_blocks + 1000, (len(lengths), max(counts) + 1), generator=gen)
+    k_cache = torch.full((num_blocks, block_size, nkv, d), float("nan"))
+    v_cache = torch.full((num_blocks, block_size, nkv, d), float("nan"))
+    keys, values, seqs, positions = [], [], [], []
+    used = 0
+    for s, (n, n_q) in enumerate(zip(lengths, queries)):
+        tables[s, : counts[s]] = perm[used : used + counts[s]]
+        used += counts[s]
+        keys.append(torch.randn(n, nkv, d, generator=gen).to(dtype))  # [len, nkv, D]
+        values.append(torch.randn(n, nkv, d, generator=gen).to(dtype))
+        pos = torch.arange(n)
+        k_cache[tables[s, pos // block_size], pos % block_size] = keys[-1].float()
+        v_cache[tables[s, pos // block_size], pos % block_size] = values[-1].float()
+        seqs += [s] * n_q
+        positions += range(n - n_q, n)
+    order = torch.randperm(len(seqs), generator=gen)  # queries of several sequences, any order
+    q = torch.randn(len(seqs), nkv * g, d, generator=gen)  # [T, nq, D]
+    return Problem(
+        q.to(dtype).to(device), k_cache.to(dtype).to(device), v_cache.to(dtype).to(device),
+        tables.to(torch.int32).to(device), torch.tensor(seqs, dtype=torch.int32)[order].to(device),
+        torch.tensor(positions)[order].to(device), [k.to(device) for k in keys], [v.to(device) for v in values],
+        window, max(lengths) + 3, d**-0.5,
+    )
+
+
+def expected(p: Problem) -> torch.Tensor:
+    """Plain SDPA per sequence over its contiguous keys/values, fp32; K/V repeated per query head (HF order)."""
+    out = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)  # [T, nq, D]
+    g = p.q.shape[1] // p.keys[0].shape[1]
+    for s, (keys, values) in enumerate(zip(p.keys, p.values)):
+        rows = (p.query_seq == s).nonzero()[:, 0]  # [n]
+        k_pos = torch.arange(keys.shape[0], device=keys.device)[None, :]  # [1, len]
+        q_pos = p.query_pos[rows][:, None]  # [n, 1]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - (p.window or keys.shape[0] + 1))  # [n, len]
+        k = keys.float().repeat_interleave(g, dim=1).transpose(0, 1)  # [nq, len, D]
+        v = values.float().repeat_interleave(g, dim=1).transpose(0, 1)
+        got = F.scaled_dot_product_attention(p.q[rows].float().transpose(0, 1), k, v, attn_mask=mask, scale=p.scale)
+        out[rows] = got.transpose(0, 1)  # [n, nq, D]
+    return out
+
+
+def torch_path(p: Problem) -> torch.Tensor:
+    return paged_attention_torch(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span)
+
+
+def with_padding_query(p: Problem) -> Problem:
+    """One more query at position -1 (a captured batch's padding slot): it must come back as zeros."""
+    p.q = torch.cat([p.q, p.q[:1]])
+    p.query_seq = torch.cat([p.query_seq, p.query_seq[:1]])
+    p.query_pos = torch.cat([p.query_pos, torch.full_like(p.query_pos[:1], -1)])
+    return p
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_torch_path_matches_contiguous_sdpa(case):
+    p = make_problem(case)
+    got = torch_path(p)
+    assert got.shape == p.q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected(p), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_path_chunks_queries_alike(monkeypatch):
+    p = make_problem(CASES[1])
+    whole = torch_path(p)
+    monkeypatch.setattr(pa, "_TORCH_GATHER_ELEMENTS", 1)  # one query per chunk
+    torch.testing.assert_close(torch_path(p), whole, rtol=1e-6, atol=1e-6)  # einsum's batch size may reorder sums
+
+
+def test_padding_query_gets_zeros():
+    p = with_padding_query(make_problem(CASES[3]))
+    got = torch_path(p)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    torch.testing.assert_close(got[:-1], expected(make_problem(CASES[3])), rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_takes_torch_path_on_cpu():
+    assert not paged_attention_available("cpu")
+    p = make_problem(CASES[2])
+    got = paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span)
+    torch.testing.assert_close(got, torch_path(p), rtol=0, atol=0)
+
+
+def check_interpreted(cases: list[tuple]) -> None:
+    """Run in the subprocess, with TRITON_INTERPRET=1: the fp32 kernel on CPU tensors vs both references."""
+    from engine.kv.paged_attention import paged_attention_triton
+    for i, case in enumerate(cases):
+        p = make_problem(case, seed=i)
+        reference = torch_path(p)  # [T, nq, D]
+        torch.testing.assert_close(reference, expected(p), rtol=1e-5, atol=1e-5)
+        for config in (TINY, None):
+            got = paged_attention_triton(*p.args(), scale=p.scale, window=p.window, config=config)
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5, msg=f"{case} {config}")
+    p = with_padding_query(make_problem(cases[1]))
+    got = paged_attention_triton(*p.args(), scale=p.scale, window=p.window, config=TINY)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and paged_attention_available("cuda")),
+                                reason="needs a CUDA device and triton")
+
+
+@needs_triton
+def test_interpreter_matches_torch_path():
+    path = os.pathsep.join(filter(None, [str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    code = f"import test_paged_attention as t; t.check_interpreted({CASES!r})"
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_cuda_bf16_matches_torch_path(case):
+    p = make_problem(case, torch.bfloat16, "cuda")
+    got = pa.paged_attention_triton(*p.args(), scale=p.scale, window=p.window)
+    assert got.dtype == torch.bfloat16 and got.shape == p.q.shape
+    # fp32 math on the same bf16 inputs; the kernel rounds p to bf16 before P @ V, and casts once at the end.
+    torch.testing.assert_close(got.float(), expected(p), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, torch_path(p), rtol=3e-2, atol=3e-2)
+    assert torch.equal(paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span), got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_cuda_graph_replays_new_positions_and_tables(path):
+    p = make_problem(CUDA_CASES[1], torch.bfloat16, "cuda")
+    run = (lambda: pa.paged_attention_triton(*p.args(), scale=p.scale, window=p.window)) if path == "triton" \
+        else (lambda: torch_path(p))
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    # In place, as the engine does between steps: new queries, earlier positions, sequences' blocks moved.
+    p.q.copy_(torch.randn_like(p.q))
+    p.query_pos.sub_(torch.arange(p.query_pos.shape[0], device="cuda") * 7).clamp_(min=0)
+    for s in range(p.block_tables.shape[0]):
+        count = -(-p.keys[s].shape[0] // p.k_cache.shape[1])
+        old = p.block_tables[s, :count].long()
+        new = old[torch.randperm(count, device="cuda")]
+        p.k_cache[new], p.v_cache[new] = p.k_cache[old].clone(), p.v_cache[old].clone()
+        p.block_tables[s, :count] = new.int()
+    graph.replay()
+    torch.testing.assert_close(captured, run(), rtol=0, atol=0)
+    torch.testing.assert_close(captured.float(), expected(p), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,219 @@
+"""The batched sampler against today's per-sequence sampling (sampling.py, decode.choose_token).
+
+Greedy tokens and logprobs must equal the per-row functions; sampled tokens cannot (the draw is
+a different random source), so they must follow sampling.target_distribution, stay inside its
+top-k / top-p support, and depend only on (seed, step, the row's own logits and params): the
+same alone as in any batch, on every call and on every device.
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import replace
+from math import sqrt
+
+import pytest
+import torch
+
+from engine.decode import choose_token
+from engine.messages import SamplingParams, TokenLogprob
+from engine.sampler import SamplingBatch, SamplingRow, exponential_noise, noise_bits, sample
+from engine.sampling import apply_penalties, target_distribution, token_logprob
+from engine.sequence import Sequence
+
+CPU = torch.device("cpu")
+VOCAB = 48
+
+
+def run(logits: torch.Tensor, rows: list[SamplingRow], device: torch.device = CPU
+        ) -> tuple[list[int], list[TokenLogprob | None]]:
+    return sample(logits.to(device), SamplingBatch.build(rows, device)).to_host()
+
+
+def penalised(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    return apply_penalties(logits, row.params, Counter(row.output_ids))
+
+
+def random_row(rng: random.Random, vocab: int = VOCAB) -> SamplingRow:
+    params = SamplingParams(
+        max_tokens=64, temperature=rng.choice([0.0, 0.0, 1e-40, 0.5, 1.0, 1.7]),
+        top_k=rng.choice([0, 0, 1, 5, vocab - 1, vocab, vocab + 3]), top_p=rng.choice([1.0, 1.0, 0.9, 0.3, 1e-6]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.5, -0.7]), frequency_penalty=rng.choice([0.0, 0.3, 1.1]),
+        logprobs=rng.choice([None, None, 0, 3, 20]))
+    output_ids = [rng.randrange(vocab) for _ in range(rng.randrange(12))]
+    return SamplingRow(params, rng.randrange(-2**63, 2**64), output_ids)
+
+
+def test_greedy_equals_choose_token_with_penalties_and_ties() -> None:
+    rng = random.Random(0)
+    logits = torch.randn(40, VOCAB, generator=torch.Generator().manual_seed(0))  # [B, V]
+    logits[0, 3] = logits[0, 7] = logits[0].max() + 1.0  # a tie: the lower id wins
+    logits[1, 9], logits[1, 4] = 6.0, 5.5  # penalties turn 9 into a tie with 4: 6 - (2*0.25 + 0) = 5.5
+    rows = [SamplingRow(SamplingParams(8, temperature=0.0, logprobs=2), 7, []),
+            SamplingRow(SamplingParams(8, temperature=0.0, frequency_penalty=0.25, logprobs=5), 1, [9, 9]),
+            *[SamplingRow(replace(row.params, temperature=0.0), row.seed, row.output_ids)
+              for row in (random_row(rng) for _ in range(38))]]
+    tokens, logprobs = run(logits, rows)
+    assert tokens[0] == 3 and tokens[1] == 4
+    assert [t for t, _ in logprobs[0].top] == [3, 7]  # tied alternatives: the lower id first
+    for b, row in enumerate(rows):
+        seq = Sequence("r", [0], row.params, row.seed, output_ids=list(row.output_ids),
+                       output_counts=Counter(row.output_ids))
+        token, logprob = choose_token(seq, logits[b], torch.Generator())  # greedy: the generator goes unused
+        assert tokens[b] == token
+        assert_logprob_close(logprobs[b], logprob)
+
+
+def test_greedy_only_batch_takes_any_float_dtype() -> None:
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(1)).bfloat16()
+    rows = [SamplingRow(SamplingParams(8, temperature=0.0), seed, []) for seed in range(6)]
+    tokens, logprobs = run(logits, rows)
+    assert tokens == logits.float().argmax(-1).tolist() and logprobs == [None] * 6
+
+
+def test_logprobs_equal_token_logprob_of_penalised_logits() -> None:
+    rng = random.Random(1)
+    rows = [random_row(rng) for _ in range(60)]
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(2)) * 3  # [B, V]
+    logits[::2] = logits[::2].bfloat16().float()  # coarse values: tied alternatives
+    tokens, logprobs = run(logits, rows)
+    for b, row in enumerate(rows):
+        want = None if row.params.logprobs is None else token_logprob(penalised(logits[b], row), tokens[b],
+                                                                     row.params.logprobs)
+        assert_logprob_close(logprobs[b], want)
+
+
+def test_a_row_samples_the_same_alone_and_in_any_batch() -> None:
+    rng = random.Random(2)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(8):
+        rows = [random_row(rng) for _ in range(rng.randrange(2, 40))]
+        logits = torch.round(torch.randn(len(rows), VOCAB, generator=gen) * 8) / 4  # [B, V], many ties
+        batched = run(logits, rows)
+        alone = [run(logits[b:b + 1], [row]) for b, row in enumerate(rows)]
+        assert batched == ([tokens[0] for tokens, _ in alone], [logprobs[0] for _, logprobs in alone])
+        perm = rng.sample(range(len(rows)), len(rows))
+        shuffled = run(logits[perm], [rows[i] for i in perm])
+        assert shuffled == ([batched[0][i] for i in perm], [batched[1][i] for i in perm])
+
+
+def test_sampling_is_deterministic_and_the_draw_moves_with_seed_and_step() -> None:
+    rng = random.Random(3)
+    rows = [SamplingRow(SamplingParams(8, temperature=1.0), rng.randrange(2**64), [1] * rng.randrange(9))
+            for _ in range(200)]
+    logits = torch.zeros(len(rows), VOCAB)  # uniform: the noise alone picks the token
+    first, second = run(logits, rows), run(logits, rows)
+    assert first == second
+    assert len(set(first[0])) > VOCAB // 2
+    seed, step = torch.tensor([5, 5, 5 + 2**32, -5]), torch.tensor([0, 1, 0, 0])
+    bits = noise_bits(seed, step, VOCAB)  # [4, V]
+    assert torch.equal(bits, noise_bits(seed, step, VOCAB))
+    assert all(not torch.equal(bits[0], bits[i]) for i in (1, 2, 3))  # step, high seed bits, sign
+    assert torch.equal(noise_bits(torch.tensor([-1]), torch.tensor([3]), VOCAB),
+                       noise_bits(torch.tensor([2**63 - 1]) * 2 + 1, torch.tensor([3]), VOCAB))
+
+
+def reference_bits(seed: int, step: int, token: int) -> int:
+    """noise_bits' definition, one token at a time in plain Python: (seed, step, token) -> [0, 2^32)."""
+    def mix(x: int) -> int:
+        x ^= x >> 15
+        x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+        x ^= x >> 12
+        x = (x * 0x297A2D39) & 0xFFFFFFFF
+        return x ^ (x >> 15)
+    seed &= 2**64 - 1
+    key = mix(mix(mix((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ (seed >> 32)) ^ step)
+    return mix(key ^ mix(token ^ 0x9E3779B9))
+
+
+def test_noise_bits_match_their_scalar_definition() -> None:
+    cases = [(0, 0), (1, 0), (-1, 7), (2**63 - 1, 4095), (-2**63, 1), (123456789123, 99)]
+    bits = noise_bits(torch.tensor([seed for seed, _ in cases]), torch.tensor([step for _, step in cases]), VOCAB)
+    assert bits.tolist() == [[reference_bits(seed, step, v) for v in range(VOCAB)] for seed, step in cases]
+
+
+def test_noise_is_exp1_strictly_inside_its_range() -> None:
+    seeds = torch.arange(2000)
+    noise = exponential_noise(seeds, seeds * 7, 500)  # [S, V]
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    assert abs(float(noise.mean()) - 1.0) < 0.01 and abs(float(noise.var()) - 1.0) < 0.02
+    # extremes of the bits: u = 2^-33 and 1 - 2^-33 still give finite, positive E
+    u = (torch.tensor([0, 2**32 - 1]).double() + 0.5) * 2.0**-32
+    assert (u > 0).all() and (u < 1).all() and torch.isfinite(-u.log()).all() and (-u.log() > 0).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_and_cuda_draw_the_same() -> None:
+    cuda = torch.device("cuda")
+    seed, step = torch.randint(-2**63, 2**63 - 1, (512,)), torch.randint(0, 10_000, (512,))
+    bits = noise_bits(seed, step, 4096)
+    assert torch.equal(bits, noise_bits(seed.to(cuda), step.to(cuda), 4096).cpu())
+    noise = exponential_noise(seed, step, 4096)
+    torch.testing.assert_close(exponential_noise(seed.to(cuda), step.to(cuda), 4096).cpu(), noise,
+                               rtol=2.0**-23, atol=0.0)  # at most an ulp apart (the log), bit-equal in practice
+    rng = random.Random(4)
+    rows = [random_row(rng, vocab=4096) for _ in range(256)]
+    logits = torch.randn(len(rows), 4096, generator=torch.Generator().manual_seed(5)) * 3
+    on_cpu, on_cuda = run(logits, rows), run(logits, rows, cuda)
+    assert on_cpu[0] == on_cuda[0]
+    for want, got in zip(on_cpu[1], on_cuda[1]):
+        assert_logprob_close(got, want, tol=1e-5)
+
+
+STAT_LOGITS = torch.tensor([2.0, 1.6, 1.2, 0.9, 0.4, 0.0, -0.6, -2.0])  # [V = 8]
+STAT_PARAMS = [
+    SamplingParams(8, temperature=1.0),
+    SamplingParams(8, temperature=0.7, top_k=5),
+    SamplingParams(8, temperature=1.3, top_p=0.8),
+    SamplingParams(8, temperature=0.9, top_k=6, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.4),
+]
+DRAWS = 20_000
+
+
+@pytest.mark.parametrize("params", STAT_PARAMS)
+@pytest.mark.parametrize("vary", ["seed", "step"])
+def test_draws_follow_target_distribution(params: SamplingParams, vary: str) -> None:
+    if vary == "seed":  # many requests at one step
+        rows = [SamplingRow(params, seed, [1, 1, 4]) for seed in range(DRAWS)]
+    else:  # one request's steps; without penalties its history only sets the step
+        params = replace(params, presence_penalty=0.0, frequency_penalty=0.0)
+        rows = [SamplingRow(params, 12345, range(step)) for step in range(DRAWS)]
+    tokens, _ = run(STAT_LOGITS.expand(DRAWS, -1), rows)
+    seen = Counter(tokens)
+    probs = target_distribution(penalised(STAT_LOGITS, rows[0]), params)  # [V]
+    support = [v for v in range(len(STAT_LOGITS)) if probs[v] > 0]
+    assert set(seen) <= set(support)
+    chi2 = sum((seen[v] - DRAWS * float(probs[v])) ** 2 / (DRAWS * float(probs[v])) for v in support)
+    assert chi2 < chi_square_bound(len(support) - 1), (chi2, seen, probs)
+
+
+def test_top_k_and_top_p_never_draw_outside_the_kept_set() -> None:
+    rng = random.Random(6)
+    gen = torch.Generator().manual_seed(7)
+    rows = [SamplingRow(SamplingParams(8, temperature=rng.choice([0.5, 1.0, 3.0]), top_k=rng.choice([0, 1, 2, 7]),
+                                       top_p=rng.choice([1.0, 0.5, 0.2]), presence_penalty=rng.choice([0.0, 1.0])),
+                        rng.randrange(2**63), [rng.randrange(16) for _ in range(rng.randrange(5))])
+            for _ in range(3000)]
+    logits = torch.randn(len(rows), 16, generator=gen) * 2  # [B, V]
+    tokens, _ = run(logits, rows)
+    for b, row in enumerate(rows):
+        assert target_distribution(penalised(logits[b], row), row.params)[tokens[b]] > 0
+
+
+def chi_square_bound(df: int, z: float = 3.29) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.29: p = 0.9995)."""
+    return df * (1 - 2 / (9 * df) + z * sqrt(2 / (9 * df))) ** 3
+
+
+def assert_logprob_close(got: TokenLogprob | None, want: TokenLogprob | None, tol: float = 1e-6) -> None:
+    if want is None or got is None:
+        assert got is want
+        return
+    """Equal up to tol, and up to the order of tied alternatives (token_logprob's topk leaves it open)."""
+    assert got.token_id == want.token_id and abs(got.logprob - want.logprob) <= tol
+    assert len(got.top) == len(want.top) and len({t for t, _ in got.top}) == len(got.top)
+    want_of = dict(want.top)
+    for (token, value), (_, want_value) in zip(got.top, want.top):
+        assert abs(value - want_value) <= tol  # the same values, best first
+        # the same ids, but for ties at the cut-off
+        assert abs(want_of.get(token, float("inf")) - value) <= tol or abs(value - want.top[-1][1]) <= tol
