@@ -6,7 +6,7 @@
 SP-MoE (Fig. 14) finds TPOT U-shaped in the cutoff: too few prefetched layers leave misses to
 the verify pass, too many push copies past the draft phase and evict experts the verify needs.
 The sweep says whether this model shows that, and whether the automatic choice (profiled at
-start-up, engine/spec/cutoff.py) is within 10% of the best. Writes cutoff_sweep.json/.md/.png.
+start-up, engine/speculative/cutoff.py) is within 10% of the best. Writes cutoff_sweep.json/.md/.png.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class ChosenCutoff(logging.Handler):
 @contextmanager
 def chosen_cutoff() -> Iterator[ChosenCutoff]:
     """The SP-MoE cutoff an engine built inside chooses (None if it chose none)."""
-    chosen, log = ChosenCutoff(), logging.getLogger("engine.spec.builder")
+    chosen, log = ChosenCutoff(), logging.getLogger("engine.speculative.builder")
     level = log.level
     log.addHandler(chosen)
     log.setLevel(logging.INFO)

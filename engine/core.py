@@ -3,7 +3,7 @@
 The scheduler (engine/scheduler.py) picks which chunks of which sequences run in a step, and
 every scheduled sequence runs in ONE forward over the paged KV cache (engine/model_runner.py),
 so the tokens of all of them share each expert copy. With --spec, a sequence decoding alone
-speculates instead while that is measured to pay (engine/spec/switch.py): its KV moves from the
+speculates instead while that is measured to pay (engine/speculative/switch.py): its KV moves from the
 paged cache into the speculative decoder's one-sequence cache and its new positions move back
 after each draft/verify round, so the next batched step finds it where it left off.
 """
@@ -17,7 +17,7 @@ from engine.messages import EngineReady, GenerateRequest, MetricsSnapshot, Reque
 from engine.runtime import Runtime, build_runtime
 from engine.scheduler import ScheduledChunk, Scheduler
 from engine.sequence import Sequence
-from engine.spec.switch import SpecSwitch
+from engine.speculative.switch import SpecSwitch
 
 
 class EngineCore:

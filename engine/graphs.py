@@ -13,7 +13,7 @@ capture; spans longer than MAX_TOKENS (prefills) and steps with prefill chunks r
   its experts resident and writes their slot ids into a buffer the next graph reads.
 
 An attention hook (speculative decoding's expert predictor) is captured with the forward, so it
-must only do device work into tensors it owns (see engine/spec/cross_model.py).
+must only do device work into tensors it owns (see engine/speculative/cross_model.py).
 """
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from engine.messages import MetricsSnapshot
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
 from engine.scheduler import SchedulerConfig
-from engine.spec.builder import build_spec_decoder
-from engine.spec.stats import SpecStats
+from engine.speculative.builder import build_spec_decoder
+from engine.speculative.stats import SpecStats
 from engine.trace import RoutingRecorder
 
 log = logging.getLogger(__name__)

@@ -12,6 +12,9 @@ pass. Requests ask for logprobs, which carry one entry per generated token excep
 the tokens received are counted and compared with `usage` (stream_options.include_usage).
 A sample of requests goes over raw httpx instead of the SDK, because the SDK swallows the
 closing `data: [DONE]` and that sample checks every stream ends with it.
+`--match top5` relaxes only the comparison with the reference, to vLLM's check_logprobs_close
+(for bf16 on a GPU, where the batch a sequence shares a step with can flip a near-tie): equal
+tokens up to the first divergence, and there each side's token in the other's top-5 logprobs.
 
 Metrics are vLLM benchmark_serving's: TTFT = request sent -> first chunk with choices;
 ITL = gaps between later chunks; E2E latency = request sent -> last data chunk;
@@ -37,8 +40,9 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
@@ -51,6 +55,9 @@ WORDS = ("def", "return", "list", "dict", "sorted", "reverse", "string", "parse"
          "value", "error", "raise", "try", "except", "loop", "while", "for", "if", "else", "print", "test",
          "assert")  # prompt vocabulary: the default model is a code model
 MAX_RETRY_AFTER_S = 5.0
+Match = Literal["exact", "top5"]  # how an answer is compared with its reference (see verify)
+MATCHES: tuple[Match, ...] = ("exact", "top5")
+TOP_LOGPROBS = 5  # top5: alternatives asked per token, as vLLM's tests call check_logprobs_close
 
 
 # ---- workload ------------------------------------------------------------------------------
@@ -82,22 +89,50 @@ def make_prompts(count: int, words: int, max_tokens: int, ratio: float, seed: in
                    spread(max_tokens, ratio, rng)) for i in range(count)]
 
 
-def request_fields(target: Target, prompt: Prompt) -> dict:
-    return {"model": target.model, "messages": [{"role": "user", "content": prompt.text}],
-            "max_tokens": prompt.max_tokens, "temperature": 0, "logprobs": True}
+def request_fields(target: Target, prompt: Prompt, match: Match = "exact") -> dict:
+    fields = {"model": target.model, "messages": [{"role": "user", "content": prompt.text}],
+              "max_tokens": prompt.max_tokens, "temperature": 0, "logprobs": True}
+    return (fields | {"top_logprobs": TOP_LOGPROBS}) if match == "top5" else fields
 
 
 # ---- one response: parse, time, verify ------------------------------------------------------
 
 
 @dataclass(frozen=True)
+class Token:
+    """One generated token as its logprobs entry names it, with the entry's top alternatives.
+
+    Compared by the `token` string, not `bytes`: this server derives `bytes` from that string
+    (server/responses.py), so they say the same, and `bytes` may be null in OpenAI's schema.
+    Neither tells apart two tokens that are both a split UTF-8 character (both read U+FFFD).
+    """
+
+    text: str
+    top: tuple[str, ...]
+
+    @classmethod
+    def of(cls, entry: dict) -> Token:
+        return cls(entry["token"], tuple(alt["token"] for alt in entry.get("top_logprobs") or ()))
+
+
+@dataclass(frozen=True)
 class Answer:
-    """The part of a response that must equal the prompt's reference."""
+    """The part of a response that must equal the prompt's reference (tokens: top5 only, see verify)."""
 
     text: str
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    tokens: tuple[Token, ...] = field(default=(), compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a top5 answer left its reference's path legitimately: each token in the other's top-5."""
+
+    position: int
+    answer_token: str
+    reference_token: str
 
 
 @dataclass
@@ -115,6 +150,7 @@ class Result:
     retry_after: float = 0.0
     error: str = ""  # what a connection error said
     problems: list[str] = field(default_factory=list)  # verification failures: a wrong answer
+    divergence: Divergence | None = None  # top5: the accepted divergence from the reference, if any
 
 
 def tokens_received(logprob_entries: int, finish_reason: str | None) -> int:
@@ -129,9 +165,10 @@ def tokens_received(logprob_entries: int, finish_reason: str | None) -> int:
 class StreamCheck:
     """One stream's chunks as they arrive: vLLM-style timing and the chat chunk protocol."""
 
-    def __init__(self, result: Result) -> None:
-        self.result = result
+    def __init__(self, result: Result, match: Match = "exact") -> None:
+        self.result, self.match = result, match
         self.text, self.finish_reason, self.usage = "", None, None
+        self.tokens: list[Token] = []  # top5 only
         self.ids: set[str] = set()
         self.chunks = self.logprob_entries = 0
         self.last_at = result.start
@@ -161,12 +198,23 @@ class StreamCheck:
             self.protocol.append("a chunk came after the one with finish_reason")
         choice = choices[0]
         self.text += choice["delta"].get("content") or ""
-        self.logprob_entries += len((choice.get("logprobs") or {}).get("content") or [])
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        if self.match == "top5":
+            self._keep_tokens(entries)
+        self.logprob_entries += len(entries)
         self.finish_reason = choice.get("finish_reason")
+
+    def _keep_tokens(self, entries: list[dict]) -> None:
+        for entry in entries:
+            self.tokens.append(Token.of(entry))
+            if len(self.tokens[-1].top) != TOP_LOGPROBS:
+                self.protocol.append(f"token {len(self.tokens) - 1} carries {len(self.tokens[-1].top)} "
+                                     f"top_logprobs, {TOP_LOGPROBS} were asked for")
 
     def answer(self) -> Answer:
         usage = self.usage or {}
-        return Answer(self.text, self.finish_reason, usage.get("prompt_tokens", -1), usage.get("completion_tokens", -1))
+        return Answer(self.text, self.finish_reason, usage.get("prompt_tokens", -1), usage.get("completion_tokens", -1),
+                      tuple(self.tokens))
 
     def problems(self) -> list[str]:
         found = list(self.protocol)
@@ -179,25 +227,66 @@ class StreamCheck:
         return found
 
 
-def finish(result: Result, check: StreamCheck, reference: Answer) -> None:
+def verify(answer: Answer, reference: Answer, match: Match) -> tuple[list[str], Divergence | None]:
+    """What makes the answer wrong, and (top5) the divergence that was accepted.
+
+    exact: text, finish_reason and usage equal the reference's. top5 (vLLM's check_logprobs_close):
+    the tokens are equal up to the first divergence, where each side's token is in the other's
+    top-5; after it the two follow different paths, so only prompt_tokens is still compared.
+    Without a divergence top5 is exact (and the token lists have the same length).
+    """
+    if match == "exact":
+        return exact_problems(answer, reference), None
+    at = next((i for i, (a, r) in enumerate(zip(answer.tokens, reference.tokens)) if a.text != r.text), None)
+    if at is None:
+        return exact_problems(answer, reference) + length_problems(answer, reference), None
+    problems = divergence_problems(at, answer.tokens[at], reference.tokens[at])
+    if answer.prompt_tokens != reference.prompt_tokens:
+        problems.append(f"prompt_tokens {answer.prompt_tokens}, the reference's {reference.prompt_tokens}")
+    accepted = Divergence(at, answer.tokens[at].text, reference.tokens[at].text)
+    return problems, None if problems else accepted
+
+
+def exact_problems(answer: Answer, reference: Answer) -> list[str]:
+    return [] if answer == reference else [f"answer {answer} differs from the reference {reference}"]
+
+
+def length_problems(answer: Answer, reference: Answer) -> list[str]:
+    if len(answer.tokens) == len(reference.tokens):
+        return []
+    return [f"{len(answer.tokens)} tokens, the reference {len(reference.tokens)}, equal as far as both go"]
+
+
+def divergence_problems(at: int, answer: Token, reference: Token) -> list[str]:
+    """The first divergence is legitimate only if each side's token is in the other's top-5."""
+    missing = ([f"the answer's token is not in the reference's top-5 {list(reference.top)}"]
+               if answer.text not in reference.top else [])
+    missing += ([f"the reference's token is not in the answer's top-5 {list(answer.top)}"]
+                if reference.text not in answer.top else [])
+    if not missing:
+        return []
+    return [f"token {at}: answer {answer.text!r}, reference {reference.text!r}: " + "; ".join(missing)]
+
+
+def finish(result: Result, check: StreamCheck, reference: Answer, match: Match = "exact") -> None:
     """Close the books on a stream that ended normally: latency, token counts, verification."""
     answer = check.answer()
     result.latency = check.last_at - result.start
     result.prompt_tokens, result.output_tokens = answer.prompt_tokens, answer.completion_tokens
     result.problems += check.problems()
-    if answer != reference:
-        result.problems.append(f"answer {answer} differs from the reference {reference}")
+    problems, result.divergence = verify(answer, reference, match)
+    result.problems += problems
 
 
 # ---- requests: the SDK, raw httpx, references -----------------------------------------------
 
 
 async def sdk_request(client: openai.AsyncOpenAI, target: Target, prompt: Prompt, reference: Answer,
-                      disconnect_after: int | None) -> Result:
+                      disconnect_after: int | None, match: Match = "exact") -> Result:
     result = Result(prompt.index, "sdk", time.perf_counter())
-    check = StreamCheck(result)
+    check = StreamCheck(result, match)
     try:
-        stream = await client.chat.completions.create(**request_fields(target, prompt), stream=True,
+        stream = await client.chat.completions.create(**request_fields(target, prompt, match), stream=True,
                                                       stream_options={"include_usage": True})
         async with stream:  # leaving it closes the connection: that is how a client disconnects
             if disconnect_after == 0:
@@ -225,16 +314,16 @@ async def sdk_request(client: openai.AsyncOpenAI, target: Target, prompt: Prompt
     except ValueError as exc:  # a data line the SDK could not parse as JSON
         result.problems.append(f"unparseable stream: {exc}")
         return result
-    finish(result, check, reference)
+    finish(result, check, reference, match)
     return result
 
 
 async def raw_request(http: httpx.AsyncClient, target: Target, prompt: Prompt, reference: Answer,
-                      disconnect_after: int | None) -> Result:
+                      disconnect_after: int | None, match: Match = "exact") -> Result:
     """The same request without the SDK, reading the SSE lines themselves to see [DONE] arrive last."""
     result = Result(prompt.index, "raw", time.perf_counter())
-    check = StreamCheck(result)
-    body = {**request_fields(target, prompt), "stream": True, "stream_options": {"include_usage": True}}
+    check = StreamCheck(result, match)
+    body = {**request_fields(target, prompt, match), "stream": True, "stream_options": {"include_usage": True}}
     try:
         async with http.stream("POST", f"{target.base_url}/v1/chat/completions", json=body,
                                headers={"authorization": f"Bearer {target.api_key}"}) as resp:
@@ -255,7 +344,7 @@ async def raw_request(http: httpx.AsyncClient, target: Target, prompt: Prompt, r
     if not done:
         result.problems.append("the stream ended without data: [DONE]")
     if result.status == "ok":
-        finish(result, check, reference)
+        finish(result, check, reference, match)
     return result
 
 
@@ -316,15 +405,20 @@ def _retry_after(headers: Mapping[str, str]) -> float:
         return 0.0
 
 
-async def fetch_reference(client: openai.AsyncOpenAI, target: Target, prompt: Prompt) -> Answer:
+async def fetch_reference(client: openai.AsyncOpenAI, target: Target, prompt: Prompt,
+                          match: Match = "exact") -> Answer:
     """One prompt's non-streamed greedy answer, asked while nothing else runs."""
-    resp = await client.chat.completions.create(**request_fields(target, prompt))
+    resp = await client.chat.completions.create(**request_fields(target, prompt, match))
     choice = resp.choices[0]
-    entries = len(choice.logprobs.content or []) if choice.logprobs else 0
+    content = (choice.logprobs.content if choice.logprobs else None) or []
+    entries = len(content)
     if tokens_received(entries, choice.finish_reason) != resp.usage.completion_tokens:
         raise RuntimeError(f"prompt {prompt.index}: {entries} logprobs entries but usage {resp.usage}")
+    tokens = tuple(Token.of(e.model_dump()) for e in content) if match == "top5" else ()
+    if any(len(t.top) != TOP_LOGPROBS for t in tokens):
+        raise RuntimeError(f"prompt {prompt.index}: a logprobs entry without {TOP_LOGPROBS} top_logprobs")
     return Answer(choice.message.content or "", choice.finish_reason, resp.usage.prompt_tokens,
-                  resp.usage.completion_tokens)
+                  resp.usage.completion_tokens, tokens)
 
 
 # ---- phases: closed-loop clients ------------------------------------------------------------
@@ -362,7 +456,8 @@ async def clients(target: Target, concurrency: int, timeout: float) -> AsyncIter
 
 async def run_phase(target: Target, prompts: list[Prompt], refs: list[Answer], concurrency: int, mix: Mix,
                     timeout: float, requests: int | None = None, duration: float | None = None,
-                    on_result: Callable[[Result], None] = lambda r: None) -> tuple[list[Result], float]:
+                    on_result: Callable[[Result], None] = lambda r: None,
+                    match: Match = "exact") -> tuple[list[Result], float]:
     """`concurrency` clients each send a request as soon as their previous one ended (after Retry-After
     on a 429/503) until `requests` were started or `duration` seconds passed. Returns (results, seconds)."""
     results: list[Result] = []
@@ -376,8 +471,8 @@ async def run_phase(target: Target, prompts: list[Prompt], refs: list[Answer], c
                 if time.perf_counter() >= deadline:
                     return
                 prompt, raw, cut = mix.plan(j, prompts, refs)
-                send = raw_request(http, target, prompt, refs[prompt.index], cut) if raw else \
-                    sdk_request(sdk, target, prompt, refs[prompt.index], cut)
+                send = raw_request(http, target, prompt, refs[prompt.index], cut, match) if raw else \
+                    sdk_request(sdk, target, prompt, refs[prompt.index], cut, match)
                 result = await send
                 result.end = time.perf_counter()
                 results.append(result)
@@ -430,6 +525,13 @@ def summarize(results: list[Result], seconds: float, slo_ttft_ms: float | None, 
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl]),
         "e2el_ms": distribution_ms([r.latency for r in ok]),
     }
+
+
+def divergences(results: list[Result]) -> dict:
+    """top5: right answers that left their reference's path within both top-5s, and where the first did."""
+    accepted = [r for r in results if r.divergence is not None and not r.problems]
+    return {"diverged_within_top5": len(accepted),
+            "diverged_examples": [{"prompt": r.prompt, "via": r.via, **asdict(r.divergence)} for r in accepted[:5]]}
 
 
 # ---- the server: its processes and its metrics ----------------------------------------------
@@ -529,9 +631,10 @@ async def served_model(base_url: str, api_key: str) -> str:
     return resp.raise_for_status().json()["data"][0]["id"]
 
 
-async def fetch_references(target: Target, prompts: list[Prompt], timeout: float) -> list[Answer]:
+async def fetch_references(target: Target, prompts: list[Prompt], timeout: float,
+                           match: Match = "exact") -> list[Answer]:
     async with clients(target, 1, timeout) as (sdk, _):
-        return [await fetch_reference(sdk, target, p) for p in prompts]
+        return [await fetch_reference(sdk, target, p, match) for p in prompts]
 
 
 async def sample_every(seconds: float, pid: int | None, samples: list[dict]) -> None:
@@ -545,21 +648,23 @@ async def run_level(args: argparse.Namespace, target: Target, prompts: list[Prom
     """Warm-up (untimed, verified), idle resource sample, timed phase, idle engine, idle resource sample."""
     mix = Mix(args.raw_fraction, args.disconnect_fraction, args.seed + concurrency)
     warmup, _ = await run_phase(target, prompts, refs, concurrency, mix, args.timeout,
-                                requests=args.warmup if args.warmup is not None else concurrency)
+                                requests=args.warmup if args.warmup is not None else concurrency, match=args.match)
     await wait_engine_idle(target)
     start_usage = process_tree_usage(pid) if pid else None
     samples: list[dict] = []
     sampler = asyncio.ensure_future(sample_every(args.sample_every, pid, samples))
     try:
         results, seconds = await run_phase(target, prompts, refs, concurrency, mix, args.timeout,
-                                           requests=args.requests, duration=args.duration)
+                                           requests=args.requests, duration=args.duration, match=args.match)
     finally:
         sampler.cancel()
     engine_after = await wait_engine_idle(target)
     await asyncio.sleep(1.0)  # let the server close the connections this phase opened
+    diverged = divergences if args.match == "top5" else lambda _: {}  # an exact report keeps its keys
     return {"concurrency": concurrency, **summarize(results, seconds, args.slo_ttft, args.slo_tpot),
+            **diverged(results),
             "warmup": {"requests": len(warmup), "status_counts": dict(Counter(r.status for r in warmup)),
-                       "wrong_answers": sum(bool(r.problems) for r in warmup)},
+                       "wrong_answers": sum(bool(r.problems) for r in warmup), **diverged(warmup)},
             "engine_after": engine_after,
             "resources": {"start": start_usage, "end": process_tree_usage(pid) if pid else None,
                           "samples": samples}}
@@ -581,7 +686,7 @@ async def run(args: argparse.Namespace, base_url: str, pid: int | None) -> dict:
     target = Target(base_url, model, args.api_key)
     prompts = make_prompts(args.num_prompts, args.prompt_words, args.max_tokens, args.range_ratio, args.seed)
     began = time.perf_counter()
-    refs = await fetch_references(target, prompts, args.timeout)
+    refs = await fetch_references(target, prompts, args.timeout, args.match)
     reference_seconds = time.perf_counter() - began
     levels = [await run_level(args, target, prompts, refs, c, pid) for c in args.concurrency]
     prompt_tokens = [r.prompt_tokens for r in refs]
@@ -628,6 +733,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="statuses that are expected, e.g. 429 when --max-queue is below the concurrency")
     p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on TTFT, ms")
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on TPOT, ms")
+    p.add_argument("--match", choices=MATCHES, default="exact",
+                   help="exact: each answer equals its reference (CPU fp32); top5: vLLM's check_logprobs_close, "
+                        "equal up to the first divergence and there each token in the other's top-5 "
+                        "(bf16 on a GPU with batching)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout, s")
     p.add_argument("--sample-every", type=float, default=10.0, help="resource samples during a level, s")
     p.add_argument("--seed", type=int, default=0)
@@ -656,9 +765,10 @@ def main(argv: list[str] | None = None) -> int:
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    print(json.dumps({"levels": [{k: lvl[k] for k in ("concurrency", "requests", "status_counts", "wrong_answers",
-                                                       "request_throughput", "output_throughput")}
-                                 for lvl in report["levels"]], "verdict": report["verdict"]}, indent=1))
+    shown = ("concurrency", "requests", "status_counts", "wrong_answers", "request_throughput", "output_throughput")
+    shown += ("diverged_within_top5",) if args.match == "top5" else ()
+    print(json.dumps({"levels": [{k: lvl[k] for k in shown} for lvl in report["levels"]],
+                      "verdict": report["verdict"]}, indent=1))
     return 0 if report["verdict"]["passed"] else 1
 
 

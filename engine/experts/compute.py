@@ -6,6 +6,13 @@ import torch.nn.functional as F
 
 from engine.experts.layout import ExpertLayout
 
+# T*k from which gathered_experts takes the grouped kernel over the per-pair fused GEMVs. On an
+# H100 with uniform top-k routing (bench/results/grouped_experts.json) Mixtral-size experts
+# (8, top-2) cross over at 8 pairs (1.16x at 16, 1.7x at 32, 6.3x at 128); OLMoE-size (64, top-8)
+# at ~100 (0.94x at 16-32, 0.98x at 64, 1.15x at 128, 3.5x at 512): 16 takes the large wins and
+# costs OLMoE at most ~6% at 2-8 tokens.
+GROUPED_MIN_PAIRS = 16
+
 
 def swiglu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """One expert over its tokens: x [N, H] -> [N, H]."""
@@ -51,11 +58,16 @@ def gathered_experts(
     x [T, H]; expert_weights/slot_ids [T, k] (each token's experts by the slot holding them);
     slots [S, numel] holds every needed expert. Worth it while T*k is small (decode, short
     verify spans); long prefills use accumulate_experts instead. On a GPU with triton the
-    fused kernel reads the routed slots in place; elsewhere the torch path gathers them.
+    kernels read the routed slots in place: from GROUPED_MIN_PAIRS (token, expert) pairs on, the
+    grouped kernel, which reads each slot once per block of its tokens; below, the fused GEMVs,
+    one per pair. Elsewhere the torch path gathers them.
     """
     if x.is_cuda:
         from engine.experts import fused_experts as fused  # imports triton: only on the GPU path
+        from engine.experts import grouped_experts as grouped
 
+        if slot_ids.numel() >= GROUPED_MIN_PAIRS and grouped.grouped_experts_supported(x, slots):
+            return grouped.grouped_experts(x, expert_weights, slots, slot_ids, layout)
         if fused.fused_experts_supported(x, slots):
             return fused.fused_experts(x, expert_weights, slots, slot_ids, layout)
     return gathered_experts_torch(x, expert_weights, slots, slot_ids, layout)

@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, run_to_completion
 from engine.kv.paged_cache import kv_bytes_per_token
 from engine.loader import read_config
-from engine.spec.switch import SpecSwitch
+from engine.speculative.switch import SpecSwitch
 from engine.messages import GenerateRequest, RequestOutput, SamplingParams
 from tests.tiny_checkpoints import DENSE_FAMILIES, MOE_FAMILIES, build_tiny_checkpoint
 
@@ -184,7 +184,7 @@ def drain(core: EngineCore, outputs: dict[str, list[RequestOutput]], steps: int 
 
 class WheneverAlone(SpecSwitch):
     """Speculate on every step that can, whatever it costs (the measured choice is tested in
-    tests/engine/spec/test_switch.py)."""
+    tests/engine/speculative/test_switch.py)."""
 
     def speculate(self, running: int, waiting: int) -> bool:
         return running == 1 and not waiting

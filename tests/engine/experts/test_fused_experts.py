@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.experts.compute import gathered_experts, gathered_experts_torch
+from engine.experts.compute import GROUPED_MIN_PAIRS, gathered_experts, gathered_experts_torch
 from engine.experts.fused_experts import FusedConfig, fused_experts, fused_experts_available
 from engine.experts.layout import ExpertLayout
 
@@ -84,7 +84,8 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k):
     assert fused.dtype == torch.bfloat16 and fused.shape == (t, h)
     torch.testing.assert_close(fused.float(), exact, rtol=1.6e-2, atol=1e-2)  # only the final cast rounds
     torch.testing.assert_close(fused, gathered_experts_torch(x, weights, slots, ids, layout), rtol=5e-2, atol=5e-2)
-    assert torch.equal(gathered_experts(x, weights, slots, ids, layout), fused)  # the dispatch takes it
+    if t * k < GROUPED_MIN_PAIRS:  # from there on the dispatch takes the grouped kernel (its own tests)
+        assert torch.equal(gathered_experts(x, weights, slots, ids, layout), fused)
 
 
 @needs_cuda

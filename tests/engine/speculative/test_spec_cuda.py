@@ -16,9 +16,9 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, run_to_completion
 from engine.decode import PlainDecoder
 from engine.messages import GenerateRequest, SamplingParams
-from engine.spec.config import SpecConfig
-from engine.spec.draft_spec import DraftSpecDecoder
-from engine.spec.self_spec import SelfSpecDecoder
+from engine.speculative.config import SpecConfig
+from engine.speculative.draft_spec import DraftSpecDecoder
+from engine.speculative.self_spec import SelfSpecDecoder
 from tests.tiny_checkpoints import MOE_FAMILIES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

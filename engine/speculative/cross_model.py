@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.blocks import CausalLM, MoEBlock
-from engine.spec.stats import SpecStats
+from engine.speculative.stats import SpecStats
 
 
 class PrefetchSink(Protocol):

@@ -14,10 +14,10 @@ from spec_harness import RecordingSink, assert_kv_matches_prefill, bind, generat
 from engine.decode import BoundModel, PlainDecoder
 from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
-from engine.spec.config import SpecConfig
-from engine.spec.draft_spec import DraftSpecDecoder
-from engine.spec.loop import SpecDecoder
-from engine.spec.self_spec import SelfSpecDecoder
+from engine.speculative.config import SpecConfig
+from engine.speculative.draft_spec import DraftSpecDecoder
+from engine.speculative.loop import SpecDecoder
+from engine.speculative.self_spec import SelfSpecDecoder
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)

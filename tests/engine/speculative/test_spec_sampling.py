@@ -17,8 +17,8 @@ from engine.kv_cache import KVCache
 from engine.messages import SamplingParams
 from engine.sampling import apply_penalties, target_distribution
 from engine.sequence import Sequence
-from engine.spec.config import SpecConfig
-from engine.spec.loop import Drafter, SpecDecoder
+from engine.speculative.config import SpecConfig
+from engine.speculative.loop import Drafter, SpecDecoder
 
 VOCAB = 4
 PROMPT = [0]

@@ -11,11 +11,11 @@ import logging
 
 from engine.decode import BoundModel
 from engine.models.config import ModelConfig
-from engine.spec.config import SpecConfig
-from engine.spec.cross_model import CrossModelPredictor, PrefetchSink
-from engine.spec.layer_map import layer_map
-from engine.spec.loop import Drafter, SpecDecoder
-from engine.spec.stats import SpecStats
+from engine.speculative.config import SpecConfig
+from engine.speculative.cross_model import CrossModelPredictor, PrefetchSink
+from engine.speculative.layer_map import layer_map
+from engine.speculative.loop import Drafter, SpecDecoder
+from engine.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.adaptive import (
+from engine.speculative.adaptive import (
     AdaptiveGamma,
     AdaptiveGammaConfig,
     best_gamma,

@@ -12,18 +12,18 @@ from spec_harness import CPU, RecordingSink, bind, generate, generate_with_prefe
 from engine.decode import PlainDecoder
 from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM, MoEBlock
-from engine.spec.config import SpecConfig
-from engine.spec.cross_model import CrossModelPredictor
-from engine.spec.draft_spec import DraftSpecDecoder
-from engine.spec.loop import Drafter
-from engine.spec.profile import (
+from engine.speculative.config import SpecConfig
+from engine.speculative.cross_model import CrossModelPredictor
+from engine.speculative.draft_spec import DraftSpecDecoder
+from engine.speculative.loop import Drafter
+from engine.speculative.profile import (
     SpecProfile,
     plan_cutoff,
     profile_drafting,
     profile_expert_load,
 )
-from engine.spec.self_spec import SelfSpecDecoder
-from engine.spec.stats import SpecStats
+from engine.speculative.self_spec import SelfSpecDecoder
+from engine.speculative.stats import SpecStats
 
 PROMPT = [9, 33, 2, 101, 54]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

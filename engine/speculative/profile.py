@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.config import ModelConfig
-from engine.spec.config import SpecConfig
-from engine.spec.cutoff import CutoffInputs, choose_cutoff
-from engine.spec.loop import Drafter
+from engine.speculative.config import SpecConfig
+from engine.speculative.cutoff import CutoffInputs, choose_cutoff
+from engine.speculative.loop import Drafter
 from engine.timing import median_seconds
 
 

@@ -17,8 +17,12 @@ PROBE_EVERY = 32
 @dataclass
 class _Cost:
     seconds_per_token: float | None = None
+    steps: int = 0
 
     def update(self, seconds: float, tokens: int, smoothing: float) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            return  # a mode's first step compiles kernels and captures graphs: not its cost
         sample = seconds / tokens
         old = self.seconds_per_token
         self.seconds_per_token = sample if old is None else (1 - smoothing) * old + smoothing * sample
@@ -38,7 +42,7 @@ class SpecSwitch:
         self.lone_steps += 1
         spec, plain = self.speculative.seconds_per_token, self.plain.seconds_per_token
         if spec is None or plain is None:
-            return spec is None  # measure speculation first, then plain decoding once
+            return spec is None  # measure speculation first, then plain decoding
         winner = spec <= plain
         return winner != (self.lone_steps % PROBE_EVERY == 0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling import draw
-from engine.spec.acceptance import AcceptRule, verify_position
+from engine.speculative.acceptance import AcceptRule, verify_position
 
 LOSSLESS = AcceptRule(greedy=False)
 

@@ -15,9 +15,9 @@ from engine.messages import SamplingParams
 from engine.models.blocks import CausalLM
 from engine.models.config import ModelConfig
 from engine.sequence import Sequence
-from engine.spec.config import SpecConfig
-from engine.spec.draft_spec import DraftSpecDecoder
-from engine.spec.self_spec import SelfSpecDecoder
+from engine.speculative.config import SpecConfig
+from engine.speculative.draft_spec import DraftSpecDecoder
+from engine.speculative.self_spec import SelfSpecDecoder
 
 MAX_LEN = 64
 CPU = torch.device("cpu")

@@ -27,11 +27,11 @@ from engine.decode import BoundModel, PendingLogits, PlainDecoder, choose_token
 from engine.kv_cache import KVCache
 from engine.sampling import SequenceGenerator, apply_penalties, draw, target_distribution, token_logprob
 from engine.sequence import Sequence
-from engine.spec.acceptance import AcceptRule, verify_position
-from engine.spec.adaptive import AdaptiveGamma, AdaptiveGammaConfig
-from engine.spec.config import SpecConfig
-from engine.spec.cross_model import CrossModelPredictor
-from engine.spec.stats import SpecStats
+from engine.speculative.acceptance import AcceptRule, verify_position
+from engine.speculative.adaptive import AdaptiveGamma, AdaptiveGammaConfig
+from engine.speculative.config import SpecConfig
+from engine.speculative.cross_model import CrossModelPredictor
+from engine.speculative.stats import SpecStats
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ from typing import Callable
 from engine.config import EngineConfig
 from engine.decode import BoundModel
 from engine.experts.runner import CachedExpertRunner
-from engine.spec.config import SpecConfig
-from engine.spec.draft_spec import DraftSpecDecoder
-from engine.spec.loop import Drafter, SpecDecoder
-from engine.spec.profile import SpecProfile, plan_cutoff, profile_drafting, profile_expert_load
-from engine.spec.self_spec import SelfSpecDecoder
-from engine.spec.stats import SpecStats
+from engine.speculative.config import SpecConfig
+from engine.speculative.draft_spec import DraftSpecDecoder
+from engine.speculative.loop import Drafter, SpecDecoder
+from engine.speculative.profile import SpecProfile, plan_cutoff, profile_drafting, profile_expert_load
+from engine.speculative.self_spec import SelfSpecDecoder
+from engine.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,193 @@
+"""The grouped Triton expert kernel equals the torch gathered path it replaces at large batches.
+
+The block layout (torch only) is checked on CPU for its invariants. The kernels run in Triton's
+interpreter on CPU (TRITON_INTERPRET=1 must be set before the kernel module is imported, so
+those cases run in a subprocess); on a GPU they are compiled, compared in bf16, and captured in
+a CUDA graph. Skipped where triton is not installed.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.experts.compute import GROUPED_MIN_PAIRS, gathered_experts, gathered_experts_torch
+from engine.experts.layout import ExpertLayout
+
+ROOT = Path(__file__).resolve().parents[3]
+NUM_SLOTS = 9  # more slots than the routings below use
+USED_SLOTS = 5
+SHARED_SLOT = 3  # routed by every token
+# (H, I, T, k): odd sizes, T in {1, 5, 17}, k in {1, 2, 4}, and k = 0 (every expert on the CPU)
+CASES = [(h, i, t, k) for (h, i), t, k in itertools.product([(37, 19), (16, 24), (40, 33)], [1, 5, 17], [1, 2, 4])]
+CASES += [(21, 13, 5, 0)]
+# (T, k, S, block_m) for the block layout alone
+LAYOUT_CASES = [(1, 1, 1, 16), (17, 4, 9, 16), (64, 2, 8, 16), (32, 8, 64, 16), (9, 3, 40, 4), (50, 1, 3, 7),
+                (64, 8, 2, 16)]
+CUDA_CASES = [(256, 128, 32, 2), (200, 72, 17, 4), (2048, 1024, 32, 2), (2048, 1024, 8, 8)]
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    layout = ExpertLayout(hidden_size=h, intermediate_size=i, dtype=dtype)
+    slots = torch.randn(NUM_SLOTS, layout.numel, generator=gen) / h**0.5  # [S, numel]
+    x = torch.randn(t, h, generator=gen)  # [T, H]
+    ids = torch.randint(0, USED_SLOTS, (t, k), generator=gen)  # [T, k]: slots repeat across tokens
+    if k:
+        ids[:, 0] = SHARED_SLOT
+    if k > 1:
+        ids[0, -1] = ids[0, 0]  # the same slot twice in one token
+    weights = torch.rand(t, k, generator=gen)  # [T, k]
+    return layout, *(v.to(device) for v in (slots.to(dtype), x.to(dtype), ids, weights))
+
+
+def tiny_config():
+    """Tiles far smaller than the shapes (tl.dot's minimum): every kernel loops, every edge is masked."""
+    from engine.experts.grouped_experts import GroupedConfig
+
+    return GroupedConfig(block_m=16, gate_up_block_i=16, gate_up_block_h=16, gate_up_warps=1, gate_up_stages=1,
+                         down_block_h=16, down_block_i=16, down_warps=1, down_stages=1, sum_block_h=16)
+
+
+def check_interpreted(cases: list[tuple[int, int, int, int]]) -> None:
+    """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch."""
+    from engine.experts.grouped_experts import grouped_experts
+
+    for h, i, t, k in cases:
+        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu")
+        expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
+        for config in (tiny_config(), None):
+            got = grouped_experts(x, weights, slots, ids, layout, config=config)
+            assert got.shape == (t, h) and got.dtype == x.dtype
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{(h, i, t, k)} {config}")
+
+
+def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[list[tuple[int, list[int]]], int]:
+    """Each real block's (slot, pairs), read off the layout the way the kernels read it; and the grid size."""
+    from engine.experts.grouped_experts import block_layout
+
+    layout = block_layout(slot_ids, num_slots, block_m)
+    order = layout.order.tolist()
+    blocks = []
+    for block in range(layout.num_blocks.item()):
+        first, rows = layout.block_first[block].item(), layout.block_rows[block].item()
+        blocks.append((layout.block_slot[block].item(), order[first : first + rows]))
+    return blocks, layout.block_slot.shape[0]
+
+
+def check_block_layouts(cases: list[tuple[int, int, int, int]]) -> None:
+    """Run in the subprocess: every pair lands in exactly one block of <= block_m pairs of one slot."""
+    from engine.experts.grouped_experts import max_blocks
+
+    for t, k, num_slots, block_m in cases:
+        gen = torch.Generator().manual_seed(t * k)
+        slot_ids = torch.randint(0, num_slots, (t, k), generator=gen)  # [T, k]
+        blocks, grid = _blocks_in_python(slot_ids, num_slots, block_m)
+        flat = slot_ids.reshape(-1).tolist()
+        assert sorted(p for _, pairs in blocks for p in pairs) == list(range(t * k)), (t, k, blocks)
+        for slot, pairs in blocks:
+            assert 0 < len(pairs) <= block_m and all(flat[p] == slot for p in pairs), (t, k, blocks)
+            assert pairs == sorted(pairs)  # a stable sort: each slot's pairs in routing order
+        assert len(blocks) == sum(-(-flat.count(s) // block_m) for s in set(flat))  # only a slot's last block is short
+        assert len(blocks) <= grid <= -(-t * k // block_m) + min(t * k, num_slots)
+    # the bound is reached when every slot leaves one pair over
+    blocks, grid = _blocks_in_python(torch.tensor([0] * 17 + [1] * 17 + [2]).view(-1, 1), 3, 16)
+    assert len(blocks) == grid == max_blocks(35, 3, 16) == 5
+
+
+def _interpret(call: str) -> None:
+    path = os.pathsep.join(filter(None, [str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-c", f"import test_grouped_experts as t; t.{call}"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@needs_triton
+def test_interpreter_matches_torch_path():
+    _interpret(f"check_interpreted({json.dumps(CASES)})")
+
+
+@needs_triton
+def test_block_layout_covers_every_pair_once_in_blocks_of_one_slot():
+    _interpret(f"check_block_layouts({json.dumps(LAYOUT_CASES)})")
+
+
+def test_cpu_keeps_the_torch_path_at_any_batch():
+    layout, slots, x, ids, weights = _problem(16, 8, 17, 4, torch.float32, "cpu")
+    assert ids.numel() >= GROUPED_MIN_PAIRS
+    torch.testing.assert_close(gathered_experts(x, weights, slots, ids, layout),
+                               gathered_experts_torch(x, weights, slots, ids, layout), rtol=0, atol=0)
+
+
+def _cuda_ready() -> bool:
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return False
+    from engine.experts.fused_experts import fused_experts_available
+
+    return fused_experts_available("cuda")
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and triton")
+
+
+@needs_cuda
+@pytest.mark.parametrize("h,i,t,k", CUDA_CASES)
+def test_cuda_bf16_matches_torch_path(h, i, t, k):
+    from engine.experts.grouped_experts import grouped_experts
+
+    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda")
+    fp32 = ExpertLayout(h, i, torch.float32)
+    exact = gathered_experts_torch(x.float(), weights, slots.float(), ids, fp32)  # fp32 math on bf16 inputs
+    grouped = grouped_experts(x, weights, slots, ids, layout)
+    assert grouped.dtype == torch.bfloat16 and grouped.shape == (t, h)
+    torch.testing.assert_close(grouped.float(), exact, rtol=1.6e-2, atol=1e-2)  # act and the output round
+    torch.testing.assert_close(grouped, gathered_experts_torch(x, weights, slots, ids, layout), rtol=5e-2, atol=5e-2)
+    assert torch.equal(grouped_experts(x, weights, slots, ids, layout), grouped)  # deterministic
+    if t * k >= GROUPED_MIN_PAIRS:
+        assert torch.equal(gathered_experts(x, weights, slots, ids, layout), grouped)  # the dispatch takes it
+
+
+@needs_cuda
+@pytest.mark.parametrize("h,i,t,k", [(200, 72, 17, 4), (2048, 1024, 8, 2)])
+def test_cuda_fp32_matches_torch_path(h, i, t, k):
+    from engine.experts.grouped_experts import grouped_experts
+
+    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cuda")
+    torch.testing.assert_close(grouped_experts(x, weights, slots, ids, layout),
+                               gathered_experts_torch(x, weights, slots, ids, layout), rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+def test_cuda_small_batches_keep_the_fused_kernel():
+    from engine.experts.fused_experts import fused_experts
+
+    layout, slots, x, ids, weights = _problem(256, 128, 1, 2, torch.bfloat16, "cuda")
+    assert ids.numel() < GROUPED_MIN_PAIRS
+    assert torch.equal(gathered_experts(x, weights, slots, ids, layout), fused_experts(x, weights, slots, ids, layout))
+
+
+@needs_cuda
+def test_cuda_graph_replays_new_routing():
+    from engine.experts.grouped_experts import grouped_experts
+
+    layout, slots, x, ids, weights = _problem(256, 128, 32, 2, torch.bfloat16, "cuda")
+    grouped_experts(x, weights, slots, ids, layout)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = grouped_experts(x, weights, slots, ids, layout)
+    _, _, x2, ids2, weights2 = _problem(256, 128, 32, 2, torch.bfloat16, "cuda", seed=1)
+    for new_ids in (ids2, torch.full_like(ids2, NUM_SLOTS - 1), torch.arange(64, device="cuda").view(32, 2) % NUM_SLOTS):
+        for static, new in ((x, x2), (ids, new_ids), (weights, weights2)):  # the block count changes too
+            static.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(captured, grouped_experts(x2, weights2, slots, new_ids, layout), rtol=0, atol=0)
