@@ -1,6 +1,8 @@
 """What SP-MoE's draft-phase prefetch does to the expert cache, in counters (CPU, no timing).
 
-    python bench/prefetch_counters.py --out bench/results/prefetch_counters.json
+    python bench/prefetch_counters.py --policies lru,mrs,next-use --cutoffs 0 \
+        --out bench/results/counters/policy_counters.json   # the README's table
+    python bench/prefetch_counters.py --out /tmp/prefetch_counters.json   # lru, mrs at cutoffs 0 and 2
 
 Greedy `--spec draft` on the trained default pair over held-out prompts, for each budget, cache
 policy and cutoff: misses, prefetched experts used and wasted (evicted unused). These are the

@@ -1,6 +1,6 @@
 """Routing-trace replay numbers: record the default model's routing on held-out text (CPU), replay it.
 
-    python bench/routing_replay.py --out bench/results
+    python bench/routing_replay.py --out bench/results/routing-replay
     python bench/routing_replay.py --model /tmp/smoke/default --prompts 2 --tokens 8 --out /tmp/replay
 
 Greedy-decodes held-out stdlib prompts through the engine with a RoutingRecorder on the expert

@@ -2,7 +2,13 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.logging_config import LogSettings
+
+if TYPE_CHECKING:
+    from engine.models.config import ModelConfig
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNIT = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -37,22 +43,28 @@ def parse_budget(text: str) -> float | int:
     return int(value * _UNIT[unit])
 
 
+class ConfigError(ValueError):
+    """A setting this model or this machine cannot honour: reported in one line, without a traceback."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
     device: str = "cpu"
     dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu
-    gpu_expert_budget: str | None = None  # None: all experts resident
+    gpu_expert_budget: str | None = None  # None: what --gpu-memory-utilization leaves (engine/memory_plan.py)
+    # the share of the GPU's memory this engine plans with: weights, activations, KV cache and expert cache
+    gpu_memory_utilization: float = 0.9
     # which expert to evict: next-use (estimated next use furthest away, engine/experts/policies.py)
     # moved fewest bytes in every routing replay and beat LRU by 1.16x at Mixtral size on the GPU
     cache_policy: str = "next-use"  # next-use | lru | lfu | mrs
     prefetch: str = "none"  # none | next-layer
     prefetch_depth: int = 1  # layers ahead the next-layer predictor looks
     cpu_experts: str = "off"  # off | auto: run a missed expert on the CPU when the start-up profile says it wins
-    max_model_len: int = 2048
+    expert_quant: str = "none"  # none | int8 | int4 | fp8: routed experts quantized at load (engine/experts/formats/)
+    max_model_len: int | None = None  # None: the model's own context length (resolve_max_model_len)
     # continuous batching (engine/scheduler.py): sequences per step, tokens per step (decodes plus
-    # prefill chunks), and the paged KV cache's size (None: room for max_num_seqs sequences of
-    # max_model_len tokens)
+    # prefill chunks), and the paged KV cache's size (None: engine/memory_plan.py sizes it)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     kv_cache_memory: str | None = None
@@ -67,3 +79,28 @@ class EngineConfig:
     spec_adaptive_tokens: bool = False  # per-request gamma from recent acceptance
     cuda_graphs: bool = True  # replay short forwards (decode, draft, verify) as CUDA graphs (engine/graphs.py)
     trust_remote_code: bool = False
+    logging: LogSettings = field(default_factory=LogSettings)  # the engine process sets up its own logging
+
+
+def model_context_length(model: ModelConfig) -> int:
+    """The longest context the model supports: max_position_embeddings, stretched by a RoPE scaling
+    that extends it (vLLM's rule: yarn reaches original x factor, linear and dynamic NTK max x factor;
+    llama3 checkpoints already state their extended length)."""
+    rope, length = model.rope, model.max_position_embeddings
+    if rope.rope_type == "yarn" and rope.original_max_position_embeddings:
+        return max(length, int(rope.original_max_position_embeddings * rope.factor))
+    if rope.rope_type in ("linear", "dynamic"):
+        return int(length * rope.factor)
+    return length
+
+
+def resolve_max_model_len(requested: int | None, model: ModelConfig) -> int:
+    """--max-model-len: the model's own length when unset; longer than the model supports is an error."""
+    allowed = model_context_length(model)
+    if requested is None:
+        return allowed
+    if requested > allowed:
+        raise ConfigError(f"--max-model-len {requested} is longer than this model's context length {allowed} "
+                          f"(max_position_embeddings {model.max_position_embeddings}, rope {model.rope.rope_type}); "
+                          f"leave it unset to use {allowed}")
+    return requested

@@ -16,8 +16,10 @@ from engine.config import EngineConfig
 from engine.messages import EngineReady, GenerateRequest, MetricsSnapshot, RequestOutput
 from engine.runtime import Runtime, build_runtime
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.sampling import draft_verify_honours
 from engine.sequence import Sequence
 from engine.speculative.switch import SpecSwitch
+from engine.structured import Grammars
 
 
 class EngineCore:
@@ -29,6 +31,8 @@ class EngineCore:
         self.batch_samples: list[tuple[int, int]] = []  # (sequences, tokens) per step since the last snapshot
         self.spec_switch = SpecSwitch()
         self._speculating: Sequence | None = None  # the sequence the speculative decoder's caches hold
+        self.grammars = Grammars.of_checkpoint(config.model, self.runtime.model_config.vocab_size,
+                                               config.trust_remote_code)
 
     def ready_info(self) -> EngineReady:
         return EngineReady(
@@ -45,6 +49,8 @@ class EngineCore:
         try:
             if any(not 0 <= t < vocab for t in seq.prompt_ids):
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            if request.params.structured is not None:
+                seq.grammar = self.grammars.matcher(request.params.structured)
             self.scheduler.add(seq)
         except ValueError as exc:
             seq.finish_reason = "error"
@@ -72,7 +78,9 @@ class EngineCore:
         decoding = [c.seq for c in scheduled.chunks if c.seq.output_ids and c.samples]  # not a prefill
         before = {id(s): len(s.output_ids) for s in decoding}
         lone = len(decoding) == len(scheduled.chunks) == 1
-        speculate = (lone and self.runtime.decoder is not None
+        # constrained sequences decode plainly: a draft would need the grammar's mask at every position
+        speculate = (lone and self.runtime.decoder is not None and decoding[0].grammar is None
+                     and draft_verify_honours(decoding[0].params, len(decoding[0].output_ids))
                      and self.spec_switch.speculate(len(self.scheduler.running), len(self.scheduler.waiting)))
         outputs = self._speculative_step(decoding[0]) if speculate else self._batched_step(scheduled.chunks)
         elapsed = time.perf_counter() - started
@@ -95,11 +103,12 @@ class EngineCore:
         finally:
             self.runtime.finish_step()
         outputs = []
-        for chunk, sampled in zip(chunks, results):
+        for chunk, result in zip(chunks, results):
             self.scheduler.advance(chunk)
+            seq, sampled = chunk.seq, result.sampled
+            seq.prompt_logprobs.extend(result.prompt_logprobs)
             if sampled is None:
                 continue
-            seq = chunk.seq
             if seq.append(sampled.token, sampled.logprob, self.runtime.max_model_len):
                 self.scheduler.finish(seq)
             outputs.append(self._output(seq))
@@ -141,10 +150,13 @@ class EngineCore:
         new_logprobs = tuple(seq.logprobs[seq.emitted :])
         first = seq.emitted == 0 and bool(new_ids)
         seq.emitted = len(seq.output_ids)
+        new_prompt_logprobs = tuple(seq.prompt_logprobs[seq.emitted_prompt_logprobs:])
+        seq.emitted_prompt_logprobs = len(seq.prompt_logprobs)
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_ids,
             logprobs=new_logprobs,
+            prompt_logprobs=new_prompt_logprobs,
             finish_reason=seq.finish_reason,
             error=error,
             prompt_tokens=len(seq.prompt_ids),

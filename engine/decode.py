@@ -8,7 +8,8 @@ import torch
 from engine.graphs import GraphedDecode
 from engine.kv_cache import KVCache
 from engine.messages import TokenLogprob
-from engine.sampling import SequenceGenerator, apply_penalties, draw, target_distribution, token_logprob
+from engine.sampling import (SequenceGenerator, apply_penalties, draw, forbid_stop_tokens, target_distribution,
+                             token_logprob)
 from engine.sequence import Sequence
 
 # what a graph replay can honour; an on_attention_output hook is captured with the forward, so it
@@ -68,7 +69,8 @@ class BoundModel:
 
 def choose_token(seq: Sequence, logits: torch.Tensor, generator: torch.Generator) -> tuple[int, TokenLogprob | None]:
     """Sample (or argmax) the next token of seq from one position's logits [V]."""
-    logits = apply_penalties(logits, seq.params, seq.output_counts)
+    logits = apply_penalties(logits, seq.params, seq.output_counts, seq.prompt_ids)
+    logits = forbid_stop_tokens(logits, seq.params, len(seq.output_ids))
     if seq.params.temperature == 0:  # the argmax of the one-hot target_distribution, without building it
         token = int(logits.argmax())
     else:

@@ -10,7 +10,9 @@ raises LoadError naming it.
 from __future__ import annotations
 
 import json
+import logging
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -26,6 +28,7 @@ from engine.models.config import ModelConfig
 from engine.models.family import EXPERT_PREFIX, TensorRule
 from engine.models.registry import FAMILIES
 
+log = logging.getLogger(__name__)
 RunnerFactory = Callable[[ExpertStore, ModelConfig], ExpertRunner]
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -98,22 +101,31 @@ def load_model(
     *,
     runner_factory: RunnerFactory | None = None,
     progress: bool = True,
+    expert_quant: str = "none",
 ) -> LoadedModel:
-    """Load a local HF checkpoint dir; runner_factory(store, config) is required for MoE models."""
+    """Load a local HF checkpoint dir; runner_factory(store, config) is required for MoE models.
+    `expert_quant`: the format the routed experts are encoded in as they stream into the store
+    (engine/experts/formats/); every other weight keeps `dtype`."""
     config = read_config(path)
     dtype = resolve_dtype(dtype, device)
     if config.is_moe and runner_factory is None:
         raise ValueError(f"{config.architecture} is an MoE model: pass runner_factory")
     rules = FAMILIES[config.architecture].rules
-    targets = _plan(checkpoint_files(path), rules)
-    with tqdm(total=len(targets), desc="loading weights", unit="tensor", disable=not progress) as bar:
+    files = checkpoint_files(path)
+    targets = _plan(files, rules)
+    log.info("loading weights: %d tensors from %d files in %s", len(targets), len(files), path)
+    started = time.monotonic()
+    # a bar only on a terminal (disable=None): in a log file its carriage returns are noise
+    with tqdm(total=len(targets), desc="loading weights", unit="tensor", disable=None if progress else True) as bar:
         store = runner = None
         if config.is_moe:
-            store = ExpertStore.for_device(config.num_moe_layers, config.num_experts, config.expert_layout(dtype), device)
+            layout = config.expert_layout(dtype, expert_quant)
+            store = ExpertStore.for_device(config.num_moe_layers, config.num_experts, layout, device)
             _load_experts(store, config, rules, [t for t in targets if t.is_expert], bar)
             runner = runner_factory(store, config)
         model = CausalLM(config, runner, device=device, dtype=dtype)
         _load_params(model, config, rules, [t for t in targets if not t.is_expert], bar)
+    log.info("weights loaded in %.1f s", time.monotonic() - started)
     return LoadedModel(model.eval(), store, config)
 
 

@@ -6,6 +6,20 @@ sees tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+StructuredKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, compiled by the engine's grammar engine.
+
+    spec by kind: json_schema: the schema as JSON text; json_object: "" (any JSON object);
+    regex: the pattern; choice: a JSON list of the allowed strings; grammar: a Lark grammar."""
+
+    kind: StructuredKind
+    spec: str
 
 
 @dataclass(frozen=True)
@@ -19,6 +33,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     stop_token_ids: tuple[int, ...] = ()  # EOS and friends; stop *strings* are matched by the server
     logprobs: int | None = None  # None = off, else number of top alternatives per token (0..20)
+    # None = off, else the top alternatives given with each prompt token's logprob (0..20); computed in
+    # the prefill (engine/prompt_logprobs.py), so a request that does not ask pays nothing
+    prompt_logprobs: int | None = None
+    # vLLM's extras (engine/sampler.py applies them per row): added to the logits, token id -> bias;
+    # min_p keeps tokens at least min_p times as likely as the best; repetition_penalty (1 = off)
+    # divides positive / multiplies negative logits of tokens in the prompt or the output; the
+    # stop_token_ids cannot be drawn before min_tokens tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    structured: StructuredOutput | None = None  # constrained decoding (response_format, tool_choice)
 
 
 @dataclass(frozen=True)
@@ -43,6 +69,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
+    rank: int | None = None  # tokens at least as likely, itself included (1 = the best); prompt logprobs only
 
 
 @dataclass(frozen=True)
@@ -52,6 +79,9 @@ class RequestOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    # of prompt tokens 1.. (token 0 has nothing before it), on the first output after the prefill;
+    # empty unless params.prompt_logprobs asked
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     prompt_tokens: int = 0

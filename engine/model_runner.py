@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -15,14 +16,22 @@ from engine.graphs import GraphedBatchDecode
 from engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
 from engine.messages import TokenLogprob
 from engine.models.blocks import CausalLM
+from engine.prompt_logprobs import score_prompt_tokens
 from engine.sampler import SamplingBatch, SamplingRow, sample
 from engine.scheduler import ScheduledChunk
+from engine.structured import MaskFiller
 
 
 @dataclass(frozen=True)
 class Sampled:
     token: int
     logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    sampled: Sampled | None  # the token after the chunk; None for a prefill chunk short of its prompt's end
+    prompt_logprobs: list[TokenLogprob]  # of the prompt tokens its positions score (engine/prompt_logprobs.py)
 
 
 class ModelRunner:
@@ -33,32 +42,52 @@ class ModelRunner:
         self.device = model.device
         self.on_forward = on_forward  # told the positions of each forward's tokens (routing traces)
         self.graphs = graphs  # decode-only steps replay CUDA graphs when set
+        self.masks = MaskFiller()  # constrained rows' token masks (engine/structured.py)
 
-    def execute(self, chunks: list[ScheduledChunk]) -> list[Sampled | None]:
-        """Run chunks' tokens; per chunk, the token sampled after it (None for a prefill chunk that
-        has not reached its prompt's end)."""
+    def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+        """Run chunks' tokens; per chunk, the token sampled after it and the prompt logprobs it scored."""
         ids = [t for c in chunks for t in c.token_ids]
         layout = StepLayout.of([(c.seq.block_table, c.start, c.num_tokens) for c in chunks], self.cache.block_size)
         if self.on_forward is not None:
             self.on_forward(layout.positions)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
-        if self.graphs is not None and len(sampling) == len(ids) and self.graphs.accepts(len(ids)):
+        scored = [c.seq.unscored_prompt_positions(c.start, c.start + c.num_tokens) for c in chunks]
+        offsets = list(accumulate((c.num_tokens for c in chunks), initial=0))  # [C + 1] each chunk's first row
+        score_rows = [offsets[i] + p - c.start for i, c in enumerate(chunks) for p in scored[i]]
+        if (self.graphs is not None and len(sampling) == len(ids) and not score_rows
+                and self.graphs.accepts(len(ids))):
             logits = self.graphs.forward(ids, layout, self.max_model_len)  # [R, V]: decodes only
         else:
-            logits = self._forward_eagerly(chunks, ids, layout, sampling)  # [R, V]
-        results: list[Sampled | None] = [None] * len(chunks)
+            rows = [offsets[i + 1] - 1 for i in sampling] + score_rows
+            logits = self._forward_eagerly(chunks, ids, layout, rows)  # [R + P, V]
+        prompt_logprobs = self._score_prompts(chunks, scored, logits[len(sampling):]) if score_rows else {}
+        sampled: list[Sampled | None] = [None] * len(chunks)
         if sampling:
             batch = SamplingBatch.build([SamplingRow(chunks[i].seq.params, chunks[i].seq.seed,
-                                                     chunks[i].seq.output_ids) for i in sampling], self.device)
-            tokens, logprobs = sample(logits.float(), batch).to_host()
+                                                     chunks[i].seq.output_ids, chunks[i].seq.prompt_ids)
+                                         for i in sampling], self.device)
+            # the grammar masks fill on the host while the device still runs the forward
+            allowed = self.masks.token_mask([chunks[i].seq.grammar for i in sampling], self.device)
+            tokens, logprobs = sample(logits[:len(sampling)].float(), batch, allowed).to_host()
             for i, token, logprob in zip(sampling, tokens, logprobs):
-                results[i] = Sampled(token, logprob)
-        return results
+                sampled[i] = Sampled(token, logprob)
+        return [ChunkResult(s, prompt_logprobs.get(i, [])) for i, s in enumerate(sampled)]
+
+    @staticmethod
+    def _score_prompts(chunks: list[ScheduledChunk], scored: list[range],
+                       logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """Chunk index -> the prompt logprobs of its scored positions; logits [P, V] in that order."""
+        targets = [c.seq.prompt_ids[p + 1] for c, positions in zip(chunks, scored) for p in positions]
+        tops = [c.seq.params.prompt_logprobs or 0 for c, positions in zip(chunks, scored) for _ in positions]
+        flat = score_prompt_tokens(logits, targets, tops)
+        starts = list(accumulate(map(len, scored), initial=0))
+        return {i: flat[starts[i]:starts[i + 1]] for i, positions in enumerate(scored) if positions}
 
     def _forward_eagerly(self, chunks: list[ScheduledChunk], ids: list[int], layout: StepLayout,
-                         sampling: list[int]) -> torch.Tensor:
+                         rows: list[int]) -> torch.Tensor:
+        """The logits of the batch's rows `rows` [R] (flat token indices)."""
         paged = PagedStep.build(self.cache, layout, self.device)
-        ends = torch.tensor([c.num_tokens for c in chunks]).cumsum(0) - 1  # [C] each chunk's last row
-        rows = ends[sampling].to(self.device, non_blocking=True)  # [R]
+        logit_rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)  # [R]
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)  # [T]
-        return self.model.forward_batch(input_ids, paged, [(c.start, c.num_tokens) for c in chunks], rows)  # [R, V]
+        return self.model.forward_batch(input_ids, paged, [(c.start, c.num_tokens) for c in chunks],
+                                        logit_rows)  # [R, V]

@@ -6,11 +6,11 @@ MetricsSnapshots keep flowing and it notices when the server process is gone.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import queue
 import signal
 import time
-import traceback
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
@@ -20,17 +20,22 @@ if TYPE_CHECKING:
     from engine.core import EngineCore
 
 SNAPSHOT_SECONDS = 0.5
+log = logging.getLogger(__name__)
 
 
 def run_engine(config: EngineConfig, inbox: mp.Queue, outbox: mp.Queue) -> None:
     """Process entry point. Sends EngineReady or EngineFailed first, then outputs and snapshots."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the server decides
+    config.logging.apply()
     try:
         from engine.core import EngineCore  # imported here so a broken model import is an EngineFailed too
 
         core = EngineCore(config)
     except Exception as exc:  # noqa: BLE001 - any start-up failure must reach the server as EngineFailed
-        traceback.print_exc()
+        # a ValueError is a setting or checkpoint the engine cannot use (ConfigError, LoadError): the
+        # server reports its message in one line; anything else is a bug and shows its traceback
+        log.log(logging.DEBUG if isinstance(exc, ValueError) else logging.ERROR, "engine start-up failed",
+                exc_info=True)
         outbox.put(EngineFailed(f"{type(exc).__name__}: {exc}"))
         return
     try:

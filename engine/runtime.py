@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
-from engine.config import EngineConfig, parse_bytes
+from engine.config import EngineConfig, resolve_max_model_len
 from engine.decode import BoundModel, Decoder
 from engine.experts.runner import CachedExpertRunner
 from engine.experts.stats import LayerStats, StatsSnapshot
@@ -20,6 +20,7 @@ from engine.kv.block_manager import blocks_for
 from engine.kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from engine.kv_cache import KVCache
 from engine.loader import load_model, read_config, resolve_dtype
+from engine.memory_plan import MemoryPlan, plan_memory
 from engine.messages import MetricsSnapshot
 from engine.model_runner import ModelRunner
 from engine.models.config import ModelConfig
@@ -75,6 +76,8 @@ class Runtime:
             "expert_misses": total.misses,
             "hit_rate": total.hit_rate,
             "pcie_bytes": total.demand_bytes + total.prefetch_bytes,
+            "expert_format": self.config.expert_quant,
+            "expert_bytes": self.runner.layout.nbytes if self.runner is not None else 0,  # one expert's row: one copy
             "pcie_wait_seconds": total.pcie_wait_seconds,
             "prefetch_used": total.prefetch_used,
             "prefetch_wasted": total.prefetch_wasted,
@@ -136,6 +139,8 @@ class Runtime:
             "model": cfg.model, "device": cfg.device, "architecture": self.model_config.architecture,
             "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
             "prefetch": cfg.prefetch, "cpu_experts": cfg.cpu_experts, "spec": cfg.spec,
+            "expert_format": self.runner.layout.format.describe() if self.runner is not None else None,
+            "expert_bytes": self.runner.layout.nbytes if self.runner is not None else 0,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
@@ -181,6 +186,11 @@ def build_runtime(config: EngineConfig) -> Runtime:
     config = _with_prefetch_fallback(config)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    model_config = read_config(config.model)
+    max_len = resolve_max_model_len(config.max_model_len, model_config)
+    plan = _memory_plan(config, model_config, dtype, max_len, device)
+    if config.gpu_expert_budget is None:
+        config = replace(config, gpu_expert_budget=plan.expert_budget)
     runners: list[CachedExpertRunner] = []
     recorders: list[RoutingRecorder] = []
 
@@ -191,11 +201,10 @@ def build_runtime(config: EngineConfig) -> Runtime:
         runners.append(CachedExpertRunner.from_config(store, config, top_k=model_config.top_k, observer=observer))
         return runners[-1]
 
-    loaded = load_model(config.model, device, dtype, runner_factory=runner_factory)
+    loaded = load_model(config.model, device, dtype, runner_factory=runner_factory, expert_quant=config.expert_quant)
     runner = runners[0] if runners else None
     if runner is not None:
         runner.set_router_weights(loaded.model.router_weights())
-    max_len = min(config.max_model_len, loaded.config.max_position_embeddings)
     kv = KVCache.for_model(loaded.config, max_len, device=device, dtype=dtype)
     recorder = recorders[0] if recorders else None
     target = BoundModel(loaded.model, kv, device, on_forward=recorder.begin_forward if recorder else None,
@@ -209,7 +218,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
             return BoundModel(draft, draft_kv, device, graphs=_graphs(config, draft, draft_kv, None))
 
         decoder = build_spec_decoder(config, target, runner, load_draft, spec_stats)
-    scheduler_config = _batching(config, loaded.config, dtype, max_len)
+    scheduler_config = _batching(config, loaded.config, dtype, max_len, plan.kv_bytes)
     paged = PagedKVCache.for_model(loaded.config, scheduler_config.num_blocks, KV_BLOCK_SIZE, device=device,
                                    dtype=dtype)
     batch_graphs = None
@@ -219,19 +228,27 @@ def build_runtime(config: EngineConfig) -> Runtime:
     batch_runner = ModelRunner(loaded.model, paged, max_len, on_forward=recorder.begin_forward if recorder else None,
                                graphs=batch_graphs)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),
-                                  "spec": config.spec})
+                                  "spec": config.spec,
+                                  "experts": runner.layout.describe() if runner is not None else None})
     return Runtime(config, loaded.config, target, runner, decoder, batch_runner, scheduler_config, max_len, spec_stats,
                    recorder)
 
 
-def _batching(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_len: int) -> SchedulerConfig:
-    """The scheduler's limits and the paged KV cache's size, with the arithmetic in the log."""
+def _memory_plan(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_len: int,
+                 device: torch.device) -> MemoryPlan:
+    draft = read_config(config.draft) if config.spec == "draft" and config.draft else None
+    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    plan = plan_memory(config, model_config, draft, dtype, max_len, KV_BLOCK_SIZE, device_bytes)
+    log.info("memory plan: %s", plan.describe())
+    return plan
+
+
+def _batching(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_len: int,
+              kv_bytes: int) -> SchedulerConfig:
+    """The scheduler's limits and the paged KV cache's size (memory_plan's), with the arithmetic in the log."""
     per_token = kv_bytes_per_token(model_config, dtype)
     per_block = per_token * KV_BLOCK_SIZE
-    if config.kv_cache_memory is None:
-        num_blocks = config.max_num_seqs * blocks_for(max_len, KV_BLOCK_SIZE)
-    else:
-        num_blocks = parse_bytes(config.kv_cache_memory) // per_block
+    num_blocks = kv_bytes // per_block
     scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, num_blocks, KV_BLOCK_SIZE,
                                        max_len)
     log.info("KV cache: %d bytes per token, %d blocks of %d tokens = %.1f MiB: %d tokens, %.1f sequences of "

@@ -1,11 +1,15 @@
 """Batched next-token sampling on the device: penalties, argmax or seeded draws, logprobs for B rows.
 
 Each row keeps the per-sequence semantics of engine/sampling.py and decode.choose_token, under
-its own SamplingParams: presence/frequency penalties over the tokens it has generated; then
-temperature 0 takes the argmax (ties: the lowest token id), anything else scales by the
-temperature, truncates with top-k and top-p and draws; logprobs are read off the penalised
-logits before temperature. Greedy and sampled rows, with and without logprobs or penalties, mix
-freely in one batch, and `sample` has no Python loop over rows.
+its own SamplingParams: logit_bias, then the stop tokens masked while the row is below
+min_tokens, vLLM's repetition penalty over its prompt and output, presence/frequency penalties
+over the tokens it has generated; then temperature 0 takes the argmax (ties: the lowest token
+id), anything else scales by the temperature, drops tokens below min_p, truncates with top-k
+and top-p and draws; logprobs are read off the penalised logits before temperature. Greedy and
+sampled rows, with and without logprobs, penalties or extras, mix freely in one batch, `sample`
+has no Python loop over rows, and a batch whose rows use none of the extras runs none of their
+tensor work. Rows under a grammar (engine/structured.py) choose among the tokens its mask
+allows, in one pass over those rows (TokenMask); their logprobs stay the model's.
 
 Why the draw is counter-based. Under continuous batching a request meets different neighbours
 at every step, and may run alone, batched, on the CPU or on CUDA; its seed must still give the
@@ -26,7 +30,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, repeat
+from math import inf, log
 
 import torch
 
@@ -45,6 +50,7 @@ class SamplingRow:
     params: SamplingParams
     seed: int  # the request's seed, or one the engine drew at arrival; any int (taken mod 2^64)
     output_ids: Sequence[int]  # tokens generated so far: the penalties' counts, and the draw's step
+    prompt_ids: Sequence[int] = ()  # what the repetition penalty sees besides output_ids
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,18 @@ class SamplingBatch:
     logprobs: tuple[int | None, ...]  # [B] each row's params.logprobs (None = off)
     any_top_k: bool  # some sampled row has top_k > 0
     any_top_p: bool  # some sampled row has top_p < 1
+    # vLLM's extras; each None when no row of the batch uses it, so such a batch skips its work
+    # [B, K] int64, -1 padded: logit_bias tokens, and the stop tokens of rows below min_tokens
+    bias_ids: torch.Tensor | None = None
+    bias: torch.Tensor | None = None  # [B, K] fp32: added to those tokens' logits (-inf: the stop tokens)
+    seen_ids: torch.Tensor | None = None  # [B, P] int64, -1 padded: prompt + output of rows with a repetition penalty
+    repetition: torch.Tensor | None = None  # [B] fp32, 1 = off
+    log_min_p: torch.Tensor | None = None  # [S] fp32: log(min_p), -inf = off
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether some row's logits change before temperature (biases, min_tokens, penalties)."""
+        return self.output_ids is not None or self.bias_ids is not None or self.seen_ids is not None
 
     @property
     def size(self) -> int:
@@ -89,16 +107,36 @@ class SamplingBatch:
         params = [rows[i].params for i in sampled]
         penalised = [row.output_ids if _has_penalties(row) else () for row in rows]
         width = max(map(len, penalised))
+        # the extras' host work only when some row uses them
+        biased = any(row.params.logit_bias or len(row.output_ids) < row.params.min_tokens for row in rows)
+        biases = [_biases(row) for row in rows] if biased else []
+        bias_width = max(map(len, biases), default=0)
+        repeated = any(row.params.repetition_penalty != 1.0 for row in rows)
+        seen = [[*row.prompt_ids, *row.output_ids] if row.params.repetition_penalty != 1.0 else () for row in rows
+                ] if repeated else []
+        seen_width = max(map(len, seen), default=0)
+        any_min_p = any(p.min_p > 0 for p in params)
         floats = [[max(p.temperature, _TINY) for p in params], [p.top_p for p in params],
-                  [row.params.presence_penalty for row in rows], [row.params.frequency_penalty for row in rows]]
+                  [row.params.presence_penalty for row in rows], [row.params.frequency_penalty for row in rows],
+                  [v for b in biases for v in chain((v for _, v in b), repeat(0.0, bias_width - len(b)))],
+                  [row.params.repetition_penalty for row in rows] if seen_width else [],
+                  [log(p.min_p) if p.min_p > 0 else -inf for p in params] if any_min_p else []]
         ints = [sampled, [p.top_k for p in params], [_as_int64(rows[i].seed) for i in sampled],
-                [len(rows[i].output_ids) for i in sampled], _padded(penalised, width)]
-        (temperature, top_p, presence, frequency), (sampled_rows, top_k, seed, step, flat_ids) = \
+                [len(rows[i].output_ids) for i in sampled], _padded(penalised, width),
+                _padded([[t for t, _ in b] for b in biases], bias_width) if bias_width else [],
+                _padded(seen, seen_width) if seen_width else []]
+        (temperature, top_p, presence, frequency, bias, repetition, log_min_p), \
+            (sampled_rows, top_k, seed, step, flat_ids, bias_ids, seen_ids) = \
             _upload(floats, ints, torch.device(device))
+        size = len(rows)
         return cls(sampled_rows, temperature, top_k, top_p, seed, step, presence, frequency,
-                   flat_ids.view(len(rows), width) if width else None,
+                   flat_ids.view(size, width) if width else None,
                    tuple(row.params.logprobs for row in rows),
-                   any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params))
+                   any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params),
+                   bias_ids=bias_ids.view(size, bias_width) if bias_width else None,
+                   bias=bias.view(size, bias_width) if bias_width else None,
+                   seen_ids=seen_ids.view(size, seen_width) if seen_width else None,
+                   repetition=repetition if seen_width else None, log_min_p=log_min_p if any_min_p else None)
 
 
 @dataclass(frozen=True)
@@ -126,26 +164,56 @@ class SampledTokens:
         return tokens, logprobs
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
-    """The next token of every row. logits [B, V], any float dtype, on the batch's device."""
+@dataclass(frozen=True)
+class TokenMask:
+    """The tokens a grammar allows, for the constrained rows of a step (filled by engine/structured.py)."""
+
+    rows: torch.Tensor  # [C] int64: the constrained rows, ascending
+    bits: torch.Tensor  # [C, W] int32, 32 W >= V: bit j of word w allows token 32 w + j
+
+    def restrict(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] with -inf at every forbidden token of the constrained rows, in one pass
+        over those rows; a new tensor, so the logprobs still read the model's own logits."""
+        shifts = torch.arange(32, dtype=torch.int32, device=self.bits.device)  # [32]
+        allowed = ((self.bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]  # [C, V]
+        rows = logits.index_select(0, self.rows).masked_fill_(~allowed, float("-inf"))  # [C, V]
+        return logits.index_copy(0, self.rows, rows)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: TokenMask | None = None) -> SampledTokens:
+    """The next token of every row. logits [B, V], any float dtype, on the batch's device.
+
+    allowed: the grammar masks of the constrained rows (engine/structured.py). Their tokens are
+    chosen among the allowed ones; their logprobs are the model's, as every other row's are."""
     top = batch.max_logprobs
-    if batch.output_ids is None and batch.num_sampled == 0 and top is None:
-        return SampledTokens(logits.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax
-    logits = logits.float()
-    if batch.output_ids is not None:
-        logits = _apply_penalties(logits, batch.output_ids, batch.presence, batch.frequency)  # [B, V]
+    if not batch.adjusts_logits and batch.num_sampled == 0 and top is None:
+        candidates = logits if allowed is None else allowed.restrict(logits)
+        return SampledTokens(candidates.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax
+    logits = _adjusted(logits.float(), batch)  # [B, V]
+    candidates = logits if allowed is None else allowed.restrict(logits)  # [B, V]
     if batch.num_sampled == batch.size:
-        tokens = _draw(logits, batch)  # [B]
+        tokens = _draw(candidates, batch)  # [B]
     else:
-        tokens = logits.argmax(-1)  # [B]
+        tokens = candidates.argmax(-1)  # [B]
         if batch.num_sampled:
-            tokens.index_copy_(0, batch.sampled_rows, _draw(logits.index_select(0, batch.sampled_rows), batch))
+            tokens.index_copy_(0, batch.sampled_rows, _draw(candidates.index_select(0, batch.sampled_rows), batch))
     if top is None:
         return SampledTokens(tokens, None, None, None, batch.logprobs)
     logp = torch.log_softmax(logits, dim=-1)  # [B, V]
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
     top_logprobs, top_ids = _top_logprobs(logp, top)  # [B, N]
     return SampledTokens(tokens, chosen, top_ids, top_logprobs, batch.logprobs)
+
+
+def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Biases and min_tokens' mask, the repetition penalty, then presence/frequency. [B, V] -> [B, V]."""
+    if batch.bias_ids is not None and batch.bias is not None:
+        logits = logits + _scattered(batch.bias_ids, batch.bias, logits.shape[-1])
+    if batch.seen_ids is not None and batch.repetition is not None:
+        logits = _apply_repetition_penalty(logits, batch.seen_ids, batch.repetition)
+    if batch.output_ids is not None:
+        logits = _apply_penalties(logits, batch.output_ids, batch.presence, batch.frequency)
+    return logits
 
 
 def _top_logprobs(logp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +253,8 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Temperature, top-k, top-p and the exponential race for the sampled rows. [S, V] -> [S]."""
     # shifted so the top logit is 0 first, as sampling.target_distribution does (tiny temperatures)
     scaled = (logits - logits.amax(-1, keepdim=True)) / batch.temperature[:, None]  # [S, V]
+    if batch.log_min_p is not None:  # p_v < min_p * p_max, as scaled logits: the best one is 0
+        scaled = scaled.masked_fill(scaled < batch.log_min_p[:, None], float("-inf"))
     if batch.any_top_k or batch.any_top_p:
         probs = _truncated_probs(scaled, batch)
     else:
@@ -223,6 +293,23 @@ def _apply_penalties(logits: torch.Tensor, output_ids: torch.Tensor, presence: t
     return logits - (frequency[:, None] * counts + presence[:, None] * (counts > 0))
 
 
+def _scattered(ids: torch.Tensor, values: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Dense [B, V] fp32 of sparse [B, K] entries (ids -1 padded; repeated ids add up)."""
+    dense = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.float32, device=ids.device)
+    return dense.scatter_add_(1, ids.masked_fill(ids < 0, vocab_size), values)[:, :vocab_size]  # padding: spare column
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """vLLM's (and HF's): a token seen in the prompt or output has its logit divided by the penalty
+    if positive, multiplied if not. logits [B, V], seen_ids [B, P], penalty [B]."""
+    batch_size, vocab_size = logits.shape
+    ids = seen_ids.masked_fill(seen_ids < 0, vocab_size)  # [B, P]
+    seen = torch.zeros(batch_size, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    seen = seen.scatter_(1, ids, True)[:, :vocab_size]  # [B, V]
+    scale = torch.where(seen, penalty[:, None], 1.0)  # [B, V]
+    return torch.where(logits > 0, logits / scale, logits * scale)
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective 32-bit hash (Wellons' prospector32) of int64 tensors holding values in [0, 2^32).
 
@@ -246,6 +333,12 @@ def _xorshift(x: torch.Tensor, shift: int) -> torch.Tensor:
 
 def _has_penalties(row: SamplingRow) -> bool:
     return bool(row.output_ids) and (row.params.presence_penalty != 0 or row.params.frequency_penalty != 0)
+
+
+def _biases(row: SamplingRow) -> list[tuple[int, float]]:
+    """The row's logit_bias, and -inf on its stop tokens while it is below min_tokens."""
+    early = len(row.output_ids) < row.params.min_tokens
+    return [*row.params.logit_bias, *((t, -inf) for t in (row.params.stop_token_ids if early else ()))]
 
 
 def _as_int64(seed: int) -> int:

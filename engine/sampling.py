@@ -7,14 +7,27 @@ seed give the same tokens on any device and under any concurrency.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
+from math import log
 
 import torch
 
 from engine.messages import SamplingParams, TokenLogprob
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_counts: Counter[int]) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over the tokens generated so far. logits [V]."""
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_counts: Counter[int],
+                    prompt_ids: Iterable[int] = ()) -> torch.Tensor:
+    """logit_bias; vLLM's repetition penalty over prompt_ids and the tokens generated so far; then
+    OpenAI presence/frequency penalties over the generated ones. logits [V].
+
+    Draft/verify (engine/speculative/loop.py) passes no prompt_ids: the engine does not speculate
+    for a sequence with a repetition penalty (engine/core.py)."""
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias)
+        logits = logits.clone()
+        logits[list(ids)] += torch.tensor(bias, dtype=logits.dtype)
+    if params.repetition_penalty != 1.0:
+        logits = _apply_repetition_penalty(logits, params.repetition_penalty, set(prompt_ids) | set(output_counts))
     if not output_counts or (params.presence_penalty == 0 and params.frequency_penalty == 0):
         return logits
     ids = torch.tensor(list(output_counts.keys()), dtype=torch.long)
@@ -22,6 +35,32 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_counts:
     out = logits.clone()
     out[ids] -= params.frequency_penalty * counts + params.presence_penalty
     return out
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, penalty: float, seen: set[int]) -> torch.Tensor:
+    """A seen token's logit divided by the penalty if positive, multiplied if not (vLLM, HF)."""
+    if not seen:
+        return logits
+    ids = torch.tensor(sorted(seen), dtype=torch.long)
+    values, scale = logits[ids], torch.tensor(penalty, dtype=logits.dtype)
+    out = logits.clone()
+    out[ids] = torch.where(values > 0, values / scale, values * scale)
+    return out
+
+
+def draft_verify_honours(params: SamplingParams, num_generated: int) -> bool:
+    """Whether draft/verify (engine/speculative/loop.py) samples this sequence's next tokens as
+    plain decoding would: it applies logit_bias, the OpenAI penalties and min_p, but neither the
+    repetition penalty (it passes no prompt) nor min_tokens' mask; until those no longer apply,
+    the engine decodes such a sequence in the batched step."""
+    return params.repetition_penalty == 1.0 and num_generated >= params.min_tokens
+
+
+def forbid_stop_tokens(logits: torch.Tensor, params: SamplingParams, num_generated: int) -> torch.Tensor:
+    """The stop tokens (EOS, stop_token_ids) at -inf while fewer than min_tokens are generated. [V]."""
+    if num_generated >= params.min_tokens or not params.stop_token_ids:
+        return logits
+    return logits.index_fill(0, torch.tensor(params.stop_token_ids, dtype=torch.long), float("-inf"))
 
 
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -37,6 +76,8 @@ def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.T
     # smallest normal, since 5e-324 would round to 0 and make 0 / 0.
     logits = logits.float()
     scaled = (logits - logits.max()) / max(params.temperature, torch.finfo(torch.float32).tiny)
+    if params.min_p > 0:  # p_v < min_p * p_max, as scaled logits: the best one is 0
+        scaled = scaled.masked_fill(scaled < torch.tensor(log(params.min_p)), float("-inf"))
     if 0 < params.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, params.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

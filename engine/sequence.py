@@ -10,8 +10,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from engine.messages import GenerateRequest, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarMatcher
 
 
 class SequenceStatus(Enum):
@@ -32,13 +36,16 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     output_counts: Counter[int] = field(default_factory=Counter)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # [i]: of prompt token i + 1, when asked
     first_token_time: float | None = None
     finish_reason: str | None = None
     emitted: int = 0  # output tokens already sent to the client
+    emitted_prompt_logprobs: int = 0  # prompt_logprobs already sent
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # all_ids[:num_computed_tokens] have their KV in block_table's blocks
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    grammar: GrammarMatcher | None = None  # where its constrained output stands (params.structured)
 
     @classmethod
     def from_request(cls, request: GenerateRequest) -> "Sequence":
@@ -58,6 +65,14 @@ class Sequence:
         """Tokens the next forwards must feed: the prompt (or its rest) at first, then the last sampled token."""
         return self.num_tokens - self.num_computed_tokens
 
+    def unscored_prompt_positions(self, start: int, end: int) -> range:
+        """The positions in [start, end) whose logits score a prompt token not scored yet: position p
+        scores prompt token p + 1. Empty unless asked, and after a preemption (its recompute finds
+        every token scored), so no prompt logprob is computed or sent twice."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs)), min(end, len(self.prompt_ids) - 1))
+
     @property
     def remaining(self) -> int:
         return self.params.max_tokens - len(self.output_ids)
@@ -68,6 +83,9 @@ class Sequence:
 
     def append(self, token: int, logprob: TokenLogprob | None, max_model_len: int) -> bool:
         """Add one generated token; returns True once the sequence is finished."""
+        if self.params.max_tokens == 0:  # an echo of the prompt alone: the prefill was for its logprobs
+            self.finish_reason = "length"
+            return True
         self.output_ids.append(token)
         self.output_counts[token] += 1
         if logprob is not None:
@@ -76,6 +94,8 @@ class Sequence:
             self.first_token_time = time.perf_counter()
         if token in self.params.stop_token_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.advance(token):
+            self.finish_reason = "stop"  # the structured output is complete
         elif self.remaining <= 0 or self.num_tokens >= max_model_len:
             self.finish_reason = "length"
         return self.finish_reason is not None

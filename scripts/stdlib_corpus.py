@@ -29,12 +29,42 @@ VALIDATION_PERCENT = 3  # buckets [5, 8): early stopping during training
 CHAT_PERCENT = 20  # share of training files wrapped as a chat turn, so chat prompts get code back
 MAX_FILE_BYTES = 1_000_000  # a handful of generated tables (unicode data, topics) are skipped
 
-# ChatML, as Qwen ships it; the model learned it from the chat-wrapped training files.
+# ChatML, as Qwen ships it; the model learned it from the chat-wrapped training files. Tools and
+# tool turns render in Qwen2.5's hermes style (<tools> in the system turn, <tool_call> and
+# <tool_response> blocks), so the server's hermes parser reads the calls; without them the text
+# is byte for byte the ChatML the model was trained on.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set function = call['function'] %}"
+    "{%- set arguments = function['arguments'] if function['arguments'] is string"
+    " else function['arguments'] | tojson %}"
+    "{{- ('\n' if message['content'] or not loop.first else '') + '<tool_call>\n{\"name\": '"
+    " + (function['name'] | tojson) + ', \"arguments\": ' + arguments + '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 

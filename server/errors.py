@@ -20,9 +20,9 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client is gone, nobody reads th
 # OpenAI fields this server deliberately does not implement: named in the 400 as unsupported
 # rather than unknown, so a client learns the feature is missing, not misspelt.
 UNSUPPORTED_FIELDS = frozenset({
-    "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-    "logit_bias", "echo", "suffix", "best_of", "audio", "modalities", "prediction", "store",
-    "metadata", "service_tier", "reasoning_effort", "web_search_options", "verbosity",
+    "functions", "function_call",  # the deprecated spelling of tools / tool_choice
+    "echo", "suffix", "best_of", "audio", "modalities", "prediction", "reasoning_effort",
+    "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier",
 })
 # pydantic's names for union members, which appear in error locations but are not fields
@@ -44,6 +44,11 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def unknown_model(model: str, served: str) -> APIError:
+    return APIError(404, f"the model '{model}' does not exist; this server serves '{served}'", param="model",
+                    code="model_not_found")
 
 
 def engine_unavailable(message: str = "the engine is not ready (starting or restarting); retry shortly") -> APIError:

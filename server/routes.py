@@ -10,12 +10,15 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from engine.messages import EngineReady
-from server.errors import APIError, bad_request, engine_unavailable, validation_error
+from server.choice import TextOptions
+from server.errors import bad_request, engine_unavailable, unknown_model, validation_error
 from server.prompts import chat_prompts, completion_prompts, make_plan
 from server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
-from server.responses import ChatFormat, CompletionFormat, ResponseFormat
+from server.responses import ChatFormat, CompletionFormat, PromptEcho, ResponseFormat
 from server.serving import Envelope, Generation, respond_json, respond_stream
 from server.state import AppState, require_api_key
+from server.structured import structured_output
+from server.tool_parsers.tool_choice import ToolCalling, tool_calling
 
 log = logging.getLogger("moe_serve")
 router = APIRouter()
@@ -26,23 +29,28 @@ Body = TypeVar("Body", bound=GenerationFields)
 async def chat_completions(request: Request) -> Response:
     state = await require_api_key(request)
     body = await _parse(request, ChatCompletionRequest)
-    engine = _checked(state, body)
+    engine = checked_engine(state, body)
     _check_fits(body.n or 1, state.settings.max_queue, "n")
     # Templating and tokenising a long prompt take seconds (a 4 MiB one: ~4 s here); on a worker thread
     # the event loop keeps streaming everyone else's tokens meanwhile (the Rust tokenizer drops the GIL).
-    prompts = await asyncio.to_thread(chat_prompts, body, state.tokenizer)
-    fmt = ChatFormat(state.tokenizer.token_text, bool(body.logprobs))
-    return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
+    # a forced tool call's schema compiles against the tokenizer: off the loop too
+    tools = await asyncio.to_thread(tool_calling, body, state.settings.tool_call_parser, state.grammars)
+    prompts = await asyncio.to_thread(chat_prompts, body, state.tokenizer, tools and tools.template_tools)
+    fmt = ChatFormat(state.tokenizer.token_text, bool(body.logprobs), body.prompt_logprobs)
+    return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine, tools,
+                        state.settings.reasoning_parser)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = await require_api_key(request)
     body = await _parse(request, CompletionRequest)
-    engine = _checked(state, body)
+    engine = checked_engine(state, body)
     _check_fits(len(body.prompts()) * (body.n or 1), state.settings.max_queue, "prompt")
     prompts = await asyncio.to_thread(completion_prompts, body, state.tokenizer, engine.vocab_size)  # as above
-    fmt = CompletionFormat(state.tokenizer.token_text, body.logprobs is not None)
+    echo = PromptEcho([p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts()], prompts,
+                      body.n or 1) if body.echo else None
+    fmt = CompletionFormat(state.tokenizer.token_text, body.logprobs, echo, body.prompt_logprobs)
     return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine)
 
 
@@ -64,10 +72,9 @@ def _check_fits(choices: int, max_queue: int, param: str) -> None:
                           f"{max_queue} at once", param)
 
 
-def _checked(state: AppState, body: GenerationFields) -> EngineReady:
+def checked_engine(state: AppState, body: GenerationFields) -> EngineReady:
     if body.model != state.settings.served_model_name:
-        raise APIError(404, f"the model '{body.model}' does not exist; this server serves "
-                       f"'{state.settings.served_model_name}'", param="model", code="model_not_found")
+        raise unknown_model(body.model, state.settings.served_model_name)
     ready = state.engine.ready
     if ready is None:
         raise engine_unavailable()
@@ -75,14 +82,28 @@ def _checked(state: AppState, body: GenerationFields) -> EngineReady:
 
 
 async def _serve(request: Request, state: AppState, body: GenerationFields, prompts: list[list[int]],
-                 fmt: ResponseFormat, logprobs: int | None, engine: EngineReady) -> Response:
-    env = Envelope.new(fmt, state.settings.served_model_name)
-    plan = make_plan(body, prompts, env.id, engine, state.tokenizer.eos_token_ids,
-                     state.settings.max_tokens_cap, logprobs)
-    log.info("%s: %d prompt tokens, %d choices%s", env.id, plan.prompt_tokens, len(plan.requests),
-             f", user {body.user!r}" if body.user else "")
-    gen = Generation(plan, state.engine, state.metrics, state.tokenizer, body.stop_strings(),
-                     state.settings.max_queue)
+                 fmt: ResponseFormat, logprobs: int | None, engine: EngineReady,
+                 tools: ToolCalling | None = None, reasoning_parser: str | None = None) -> Response:
+    env = Envelope.new(fmt, state.settings.served_model_name, state.system_fingerprint)
+    gen = await start_generation(state, body, prompts, env.id, logprobs, engine, tools, reasoning_parser)
     if body.stream:
         return respond_stream(gen, env, body.include_usage(), state.settings.stream_grace_seconds)
     return await respond_json(request, gen, env)
+
+
+async def start_generation(state: AppState, body: GenerationFields, prompts: list[list[int]], request_id: str,
+                           logprobs: int | None, engine: EngineReady, tools: ToolCalling | None = None,
+                           reasoning_parser: str | None = None) -> Generation:
+    """Plan a validated body's engine requests and submit them (/v1/responses shares this too).
+
+    tools, reasoning_parser: chat only; a constrained answer has no reasoning section to split off."""
+    structured = await asyncio.to_thread(structured_output, body, state.grammars)  # compiles: off the loop
+    if tools is not None:
+        structured = tools.constrain(structured)
+    plan = make_plan(body, prompts, request_id, engine, state.tokenizer.eos_token_ids,
+                     state.settings.max_tokens_cap, logprobs, structured, state.settings.sampling_defaults)
+    log.info("%s: %d prompt tokens, %d choices%s", request_id, plan.prompt_tokens, len(plan.requests),
+             f", user {body.user!r}" if body.user else "")
+    text = TextOptions(body.stop_strings(), body.skip_special_tokens is not False, bool(body.include_stop_str_in_output))
+    return Generation(plan, state.engine, state.metrics, state.tokenizer, text, state.settings.max_queue, tools,
+                      reasoning_parser if structured is None else None)

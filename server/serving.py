@@ -19,13 +19,16 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from engine.messages import RequestOutput
-from server.choice import ChoiceDecoder, ChoiceDelta, EngineRequestError
+from server.choice import ChoiceDecoder, ChoiceDelta, EngineRequestError, TextOptions
 from server.engine_client import EngineClient, EngineLost, EngineUnavailable
 from server.errors import CLIENT_CLOSED_REQUEST, APIError, engine_unavailable
 from server.metrics import ServerMetrics
 from server.prompts import Plan
+from server.reasoning import ReasoningStream
 from server.responses import ResponseFormat, usage
 from server.tokenizer import Tokenizer
+from server.tool_parsers.stream import merge_tool_call_deltas
+from server.tool_parsers.tool_choice import ToolCalling
 
 log = logging.getLogger("moe_serve")
 
@@ -38,23 +41,27 @@ class Envelope:
     created: int
     model: str
     fmt: ResponseFormat
+    system_fingerprint: str
 
     @classmethod
-    def new(cls, fmt: ResponseFormat, model: str) -> Envelope:
-        return cls(f"{fmt.id_prefix}{uuid.uuid4().hex}", int(time.time()), model, fmt)
+    def new(cls, fmt: ResponseFormat, model: str, system_fingerprint: str) -> Envelope:
+        return cls(f"{fmt.id_prefix}{uuid.uuid4().hex}", int(time.time()), model, fmt, system_fingerprint)
 
     def body(self, object_name: str, choices: list[dict], **extra: object) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model,
-                "choices": choices, **extra}
+                "system_fingerprint": self.system_fingerprint, "choices": choices, **extra}
 
 
 class Generation:
     """The engine requests behind one HTTP request, decoded choice by choice."""
 
     def __init__(self, plan: Plan, engine: EngineClient, metrics: ServerMetrics, tokenizer: Tokenizer,
-                 stops: tuple[str, ...], max_queue: int) -> None:
+                 text: TextOptions, max_queue: int, tool_calling: ToolCalling | None = None,
+                 reasoning_parser: str | None = None) -> None:
         self.plan, self.engine, self.metrics = plan, engine, metrics
-        self.choices = {r.request_id: ChoiceDecoder(i, tokenizer, stops, r.params.stop_token_ids)
+        self.choices = {r.request_id: ChoiceDecoder(i, tokenizer, text, r.params,
+                                                    tool_calling.stream() if tool_calling else None,
+                                                    ReasoningStream(reasoning_parser) if reasoning_parser else None)
                         for i, r in enumerate(plan.requests)}
         self.sink: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
@@ -110,7 +117,7 @@ class Generation:
         self.engine.abort(unfinished)
         for choice in self.choices.values():
             reason = choice.finish_reason or self._failure or "abort"
-            self.metrics.requests.labels(reason if reason in ("stop", "length", "error") else "abort").inc()
+            self.metrics.requests[reason if reason in ("stop", "length", "error") else "abort"].inc()
         self.metrics.generation_tokens.inc(self.completion_tokens)
         if not unfinished:
             self.metrics.e2e.observe(time.perf_counter() - self.arrival)
@@ -118,6 +125,17 @@ class Generation:
 
 async def respond_json(request: Request, gen: Generation, env: Envelope) -> Response:
     """Non-streamed: gather every choice; abort if the client disconnects while we wait."""
+    choices = await collect(request, gen)
+    if choices is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    body = env.body(env.fmt.object_name, [env.fmt.choice(c) for c in choices], usage=gen.usage(),
+                    **env.fmt.response_fields(choices))
+    return JSONResponse(body)
+
+
+async def collect(request: Request, gen: Generation) -> list[ChoiceDelta] | None:
+    """Every choice whole; None if the client disconnected first (what was unfinished is aborted).
+    Raises the APIError that ended the generation, if any, for the error handler."""
     collected = asyncio.ensure_future(_collect(gen))
     gone = asyncio.ensure_future(_until_disconnected(request))
     try:
@@ -128,10 +146,8 @@ async def respond_json(request: Request, gen: Generation, env: Envelope) -> Resp
             collected.cancel()
         gen.close()
     if not collected.done() or collected.cancelled():
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    choices = collected.result()  # raises the APIError, if any, for the error handler
-    body = env.body(env.fmt.object_name, [env.fmt.choice(c) for c in choices], usage=gen.usage())
-    return JSONResponse(body)
+        return None
+    return collected.result()
 
 
 async def _collect(gen: Generation) -> list[ChoiceDelta]:
@@ -140,6 +156,9 @@ async def _collect(gen: Generation) -> list[ChoiceDelta]:
         whole = merged[delta.index]
         whole.text += delta.text
         whole.logprobs.extend(delta.logprobs)
+        whole.prompt_logprobs.extend(delta.prompt_logprobs)
+        merge_tool_call_deltas(whole.tool_calls, delta.tool_calls)
+        whole.reasoning += delta.reasoning
         whole.finish_reason = delta.finish_reason or whole.finish_reason
     return merged
 
@@ -166,7 +185,7 @@ async def _events(gen: Generation, env: Envelope, include_usage: bool) -> AsyncI
         async for delta in gen.deltas():
             first = delta.index not in started
             started.add(delta.index)
-            if first or delta.text or delta.logprobs or delta.finish_reason:
+            if first or delta.text or delta.reasoning or delta.logprobs or delta.tool_calls or delta.finish_reason:
                 choice = env.fmt.chunk_choice(delta, first)
                 yield _event(env.body(env.fmt.chunk_object_name, [choice], **extra))
         if include_usage:

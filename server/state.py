@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from engine.structured import Grammars
 from server.engine_client import EngineClient
 from server.errors import APIError
 from server.metrics import ServerMetrics
@@ -19,6 +20,11 @@ class AppState:
     engine: EngineClient
     tokenizer: Tokenizer
     metrics: ServerMetrics
+    system_fingerprint: str  # every chat and completion body: this build and its engine settings
+    grammars: Grammars = field(init=False)  # checks structured outputs against the served tokenizer
+
+    def __post_init__(self) -> None:
+        self.grammars = Grammars(lambda: self.tokenizer.hf)
 
 
 def app_state(request: Request) -> AppState:

@@ -9,19 +9,22 @@ class StopMatcher:
 
     The stop that counts is the one that *ends* first (ties: the one that starts first), which
     is what a client reading token by token would see, so the result is the same however the
-    text is chunked.
+    text is chunked. include_stop (vLLM's include_stop_str_in_output) keeps the stop string
+    itself as the end of the text.
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self._stops = tuple(s for s in stops if s)
+        self._include_stop = include_stop
         self._pending = ""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         self._pending += text
-        cut = self._first_stop()
-        if cut is not None:
-            emitted, self._pending = self._pending[:cut], ""
+        stop = self._first_stop()
+        if stop is not None:
+            end, start = stop
+            emitted, self._pending = self._pending[:end if self._include_stop else start], ""
             return emitted, True
         hold = self._held_suffix_length()
         emitted = self._pending[: len(self._pending) - hold]
@@ -33,9 +36,10 @@ class StopMatcher:
         rest, self._pending = self._pending, ""
         return rest
 
-    def _first_stop(self) -> int | None:
+    def _first_stop(self) -> tuple[int, int] | None:
+        """(end, start) of the stop string that ends first in the pending text."""
         hits = [(i + len(s), i) for s in self._stops if (i := self._pending.find(s)) >= 0]
-        return min(hits)[1] if hits else None
+        return min(hits) if hits else None
 
     def _held_suffix_length(self) -> int:
         longest = max((len(s) for s in self._stops), default=0)

@@ -211,8 +211,8 @@ class ExpertCache:
         self.capacity = cache_capacity(budget, total, self.layout.nbytes, top_k)
         self.stats = ExpertStats(store.num_layers)
         self._store = store
-        self._slots = torch.empty(self.capacity, self.layout.numel, dtype=self.layout.dtype,
-                                  device=self.device)  # [S, numel]
+        self._slots = torch.empty(self.capacity, self.layout.numel, dtype=self.layout.row_dtype,
+                                  device=self.device)  # [S, numel]: rows in the store's format
         self._table = SlotTable(self.capacity, policy)
         cuda = self.device.type == "cuda"
         self._copier = _CudaCopier(self.device, copy_fn) if cuda else _HostCopier(copy_fn)

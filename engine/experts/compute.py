@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from engine.experts.layout import ExpertLayout
 
 # T*k from which gathered_experts takes the grouped kernel over the per-pair fused GEMVs. On an
-# H100 with uniform top-k routing (bench/results/grouped_experts.json) Mixtral-size experts
+# H100 with uniform top-k routing (bench/results/kernels/grouped_experts.json) Mixtral-size experts
 # (8, top-2) cross over at 8 pairs (1.16x at 16, 1.7x at 32, 6.3x at 128); OLMoE-size (64, top-8)
 # at ~100 (0.94x at 16-32, 0.98x at 64, 1.15x at 128, 3.5x at 512): 16 takes the large wins and
 # costs OLMoE at most ~6% at 2-8 tokens.
@@ -15,7 +15,8 @@ GROUPED_MIN_PAIRS = 16
 
 
 def swiglu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """One expert over its tokens: x [N, H] -> [N, H]."""
+    """One expert over its tokens: x [N, H] -> [N, H]. A quantized row is decoded first (the reference
+    dequantization, into x's dtype)."""
     gate, up = F.linear(x, layout.gate_up(row)).chunk(2, dim=-1)  # [N, I] each
     return F.linear(F.silu(gate) * up, layout.down(row))
 
@@ -60,15 +61,15 @@ def gathered_experts(
     verify spans); long prefills use accumulate_experts instead. On a GPU with triton the
     kernels read the routed slots in place: from GROUPED_MIN_PAIRS (token, expert) pairs on, the
     grouped kernel, which reads each slot once per block of its tokens; below, the fused GEMVs,
-    one per pair. Elsewhere the torch path gathers them.
+    one per pair. Both decode quantized rows as they load them. Elsewhere the torch path gathers them.
     """
     if x.is_cuda:
         from engine.experts import fused_experts as fused  # imports triton: only on the GPU path
         from engine.experts import grouped_experts as grouped
 
-        if slot_ids.numel() >= GROUPED_MIN_PAIRS and grouped.grouped_experts_supported(x, slots):
-            return grouped.grouped_experts(x, expert_weights, slots, slot_ids, layout)
-        if fused.fused_experts_supported(x, slots):
+        if fused.fused_experts_supported(x, slots, layout):  # the grouped kernel has the same requirements
+            if slot_ids.numel() >= GROUPED_MIN_PAIRS:
+                return grouped.grouped_experts(x, expert_weights, slots, slot_ids, layout)
             return fused.fused_experts(x, expert_weights, slots, slot_ids, layout)
     return gathered_experts_torch(x, expert_weights, slots, slot_ids, layout)
 
@@ -78,12 +79,12 @@ def gathered_experts_torch(
     layout: ExpertLayout,
 ) -> torch.Tensor:
     """The reference and CPU path of gathered_experts: copy the T*k weight rows out of their
-    slots, then two batched matmuls."""
+    slots (decoding quantized ones), then two batched matmuls."""
     t, k = slot_ids.shape
-    i, h = layout.intermediate_size, layout.hidden_size
+    h = layout.hidden_size
     rows = slots.index_select(0, slot_ids.reshape(-1))  # [T*k, numel]
-    gate_up = rows[:, : 2 * i * h].view(t * k, 2 * i, h)  # [T*k, 2I, H]
-    down = rows[:, 2 * i * h :].view(t * k, h, i)  # [T*k, H, I]
+    gate_up = layout.gate_up(rows)  # [T*k, 2I, H]
+    down = layout.down(rows)  # [T*k, H, I]
     xk = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
     gate, up = torch.bmm(gate_up, xk).squeeze(-1).chunk(2, dim=-1)  # [T*k, I] each
     y = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, H]

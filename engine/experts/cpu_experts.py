@@ -100,7 +100,7 @@ def _weighted_sum(inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows:
 def profile_costs(store: ExpertSource, device: torch.device, repeats: int = 5) -> ExpertCosts:
     """Measure ExpertCosts on this machine with the store's own rows and the runner's own paths."""
     layout = store.layout
-    scratch = torch.empty(layout.numel, dtype=layout.dtype, device=device)
+    scratch = torch.empty(layout.numel, dtype=layout.row_dtype, device=device)
     copy = median_seconds(lambda: scratch.copy_(store.row(0, 0), non_blocking=True), device, repeats)
     always = CpuExperts(store, ExpertCosts(copy_seconds=float("inf"), cpu_base_seconds=0.0, cpu_per_token_seconds=0.0))
     try:

@@ -10,11 +10,15 @@ weight tile once for up to BLOCK_M tokens with tl.dot:
    pair and row count. The number of blocks depends on the routing, so the kernels below launch
    for its upper bound and programs past the real count (read on the device) exit at once;
 1. `_gate_up_kernel`, one program per (block, tile of I): act = silu(x·gate^T) * (x·up^T), fp32
-   accumulation, stored per pair in the weights' dtype (tl.dot's operands must match: the
-   torch path rounds act the same way);
+   accumulation, stored per pair in x's dtype (tl.dot's operands must match: the torch path
+   rounds act the same way);
 2. `_down_kernel`, one program per (block, tile of H): y = weight * act·down^T, fp32, per pair;
 3. `_sum_pairs_kernel`, one program per (token, tile of H): the k pairs summed in routing order
    (deterministic, no atomics), cast to x's dtype once.
+
+Weight tiles are loaded through the layout's format (formats/*.py `triton_load`, a compile-time
+argument): quantized slots are read as stored and decoded in registers into x's dtype before
+tl.dot, as the torch path decodes them; the plain format's load is the bare tile load.
 
 Shapes depend only on (T, k, S, H, I), so CUDA graphs capture it. H, I and k are compile-time
 constants, like fused_experts.py (one compile per model shape; the align kernel also compiles
@@ -26,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.experts.fused_experts import SUPPORTED_DTYPES, fused_experts_available
 from engine.experts.layout import ExpertLayout
 
 try:
@@ -111,12 +114,6 @@ def fit_config(cfg: GroupedConfig, hidden: int, intermediate: int, dtype: torch.
     )
 
 
-def grouped_experts_supported(x: torch.Tensor, slots: torch.Tensor) -> bool:
-    """The grouped path applies: a GPU, triton, a dtype it accumulates in fp32 without loss, packed rows."""
-    return (fused_experts_available(x.device) and x.dtype in SUPPORTED_DTYPES and slots.dtype == x.dtype
-            and slots.stride(1) == 1)
-
-
 def grouped_experts(
     x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
     layout: ExpertLayout, config: GroupedConfig | None = None,
@@ -125,24 +122,27 @@ def grouped_experts(
     slots [S, numel] packed rows. Returns sum_j weight_j * expert_j(x) as [T, H] in x's dtype."""
     t, k = slot_ids.shape
     h, i = layout.hidden_size, layout.intermediate_size
-    cfg = fit_config(config or GroupedConfig(), h, i, slots.dtype)
+    cfg = fit_config(config or GroupedConfig(), h, i, layout.dtype)
     if t * k == 0:  # every expert of every token left to the CPU
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     x = x.contiguous()
     blocks = block_layout(slot_ids, slots.shape[0], cfg.block_m)
     grid_blocks = blocks.block_slot.shape[0]  # the most blocks any routing needs
-    act = torch.empty(t * k, i, dtype=slots.dtype, device=x.device)  # [P, I]
+    act = torch.empty(t * k, i, dtype=layout.dtype, device=x.device)  # [P, I]
     y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)  # [P, H] weighted, per pair
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
     pairs = (blocks.order, blocks.block_slot, blocks.block_first, blocks.block_rows, blocks.num_blocks)
+    w, s = layout.kernel_views(slots)  # [S, *] the rows as weight data and as scales
+    operands = {"row_stride": w.stride(0), "scale_stride": s.stride(0), "LOAD": layout.format.triton_load}
     _gate_up_kernel[(grid_blocks, triton.cdiv(i, cfg.gate_up_block_i))](
-        x, slots, *pairs, act, slots.stride(0), H=h, I=i, K=k, BLOCK_M=cfg.block_m,
+        x, w, s, *pairs, act, **operands, H=h, I=i, K=k, DATA=layout.element_offset("gate_up"),
+        SCALES=layout.element_offset("gate_up.scales"), BLOCK_M=cfg.block_m,
         BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
     )
     _down_kernel[(grid_blocks, triton.cdiv(h, cfg.down_block_h))](
-        act, slots, expert_weights.reshape(-1).contiguous(), *pairs, y, slots.stride(0), H=h, I=i,
-        BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i,
+        act, w, s, expert_weights.reshape(-1).contiguous(), *pairs, y, **operands, H=h, I=i,
+        DATA=layout.element_offset("down"), SCALES=layout.element_offset("down.scales"), BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )
     _sum_pairs_kernel[(t, triton.cdiv(h, cfg.sum_block_h))](y, out, H=h, K=k, BLOCK_H=cfg.sum_block_h)
@@ -193,15 +193,17 @@ if triton is not None:
         return slot, pairs, pair_ok
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, slots_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, num_blocks_ptr,
-                        act_ptr, row_stride, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
+                        num_blocks_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr, I: tl.constexpr,
+                        K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):  # the grid is launched for the most blocks any routing needs
             return
         slot, pairs, pair_ok = _block_pairs(block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, BLOCK_M)
         token = pairs // K
-        gate_ptr = slots_ptr + slot * row_stride  # gate_up [2I, H] row-major, gate rows first
+        gate_ptr = w_ptr + slot * row_stride + DATA  # gate_up [2I, H], gate rows first, in the format
+        scale_ptr = s_ptr + slot * scale_stride + SCALES
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of I
         row_ok = rows < I
         cols = tl.arange(0, BLOCK_H)
@@ -212,10 +214,9 @@ if triton is not None:
             col_ok = col < H
             xt = tl.load(x_ptr + token[:, None] * H + col[None, :], mask=pair_ok[:, None] & col_ok[None, :],
                          other=0.0)  # [BLOCK_M, BLOCK_H]
-            tile = rows[None, :] * H + col[:, None]  # [BLOCK_H, BLOCK_I]: a transposed view of gate rows
-            mask = col_ok[:, None] & row_ok[None, :]
-            gate = tl.load(gate_ptr + tile, mask=mask, other=0.0)
-            up = tl.load(gate_ptr + I * H + tile, mask=mask, other=0.0)
+            # [BLOCK_H, BLOCK_I]: transposed views of the gate and up rows, decoded into x's dtype
+            gate = LOAD(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
+            up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
             acc_gate = tl.dot(xt, gate, acc_gate, input_precision="ieee")  # "ieee": fp32 stays fp32, not tf32
             acc_up = tl.dot(xt, up, acc_up, input_precision="ieee")
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_I]
@@ -223,14 +224,16 @@ if triton is not None:
                  mask=pair_ok[:, None] & row_ok[None, :])
 
     @triton.jit
-    def _down_kernel(act_ptr, slots_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
-                     num_blocks_ptr, y_ptr, row_stride, H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
+                     num_blocks_ptr, y_ptr, row_stride, scale_stride, H: tl.constexpr, I: tl.constexpr,
+                     DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_I: tl.constexpr, LOAD: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):
             return
         slot, pairs, pair_ok = _block_pairs(block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, BLOCK_M)
-        down_ptr = slots_ptr + slot * row_stride + 2 * I * H  # down [H, I] row-major
+        down_ptr = w_ptr + slot * row_stride + DATA  # down [H, I], in the format
+        scale_ptr = s_ptr + slot * scale_stride + SCALES
         outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs of H
         out_ok = outs < H
         cols = tl.arange(0, BLOCK_I)
@@ -240,8 +243,8 @@ if triton is not None:
             col_ok = col < I
             a = tl.load(act_ptr + pairs[:, None] * I + col[None, :], mask=pair_ok[:, None] & col_ok[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_I]
-            w = tl.load(down_ptr + outs[None, :] * I + col[:, None], mask=col_ok[:, None] & out_ok[None, :],
-                        other=0.0)  # [BLOCK_I, BLOCK_H]: a transposed view of down rows
+            # [BLOCK_I, BLOCK_H]: a transposed view of the down rows, decoded into act's dtype
+            w = LOAD(down_ptr, scale_ptr, outs, out_ok, i0, I, BLOCK_I, True, "").to(a.dtype)
             acc = tl.dot(a, w, acc, input_precision="ieee")
         weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
         tl.store(y_ptr + pairs[:, None] * H + outs[None, :], acc * weight[:, None],

@@ -11,7 +11,7 @@ layers in (0, 1, ..., L-1, then 0 again), which the others ignore, and how often
 to it: an expert of the layer after the current one gets its next chance within one layer run;
 one of the layer that just ran waits a whole forward. When a forward needs more experts than the
 cache holds (a verify pass over many tokens) LRU evicts exactly the experts that come next and
-hits ~0%; next-use keeps them (bench/results/routing_replay.md).
+hits ~0%; next-use keeps them (bench/results/routing-replay/routing_replay.md).
 """
 from __future__ import annotations
 

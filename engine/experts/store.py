@@ -1,4 +1,5 @@
-"""Every routed expert of the model in ONE host allocation [num_moe_layers, num_experts, layout.numel].
+"""Every routed expert of the model in ONE host allocation [num_moe_layers, num_experts, layout.numel],
+each expert one row in its layout's format (weights quantized at load, when the format asks).
 
 Pinned when the compute device is CUDA, so a row copies to its GPU slot at full PCIe speed and
 asynchronously; plain memory otherwise (pinning needs a CUDA driver).
@@ -21,7 +22,7 @@ class ExpertStore:
         self.layout = layout
         self.num_layers = num_layers
         self.num_experts = num_experts
-        self.rows = torch.empty((num_layers, num_experts, layout.numel), dtype=layout.dtype)  # [L_moe, E, 3*I*H]
+        self.rows = torch.empty((num_layers, num_experts, layout.numel), dtype=layout.row_dtype)  # [L_moe, E, numel]
         if pin and self.rows.numel():
             _pin(self, self.rows)
 
@@ -53,20 +54,19 @@ class ExpertStore:
     ) -> None:
         """Write any of one expert's HF-shaped weights (gate/up [I, H], down [H, I]); the loader streams them one by one."""
         row = self.row(layer, expert)
-        i = self.layout.intermediate_size
-        gate_up = self.layout.gate_up(row)  # [2I, H]
-        for dst, src in ((gate_up[:i], gate), (gate_up[i:], up), (self.layout.down(row), down)):
+        for part, src in (("gate", gate), ("up", up), ("down", down)):
             if src is not None:
-                _copy_checked(dst, src)
+                self.layout.write(row, part, src)
 
     def put_fused(self, layer: int, *, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
         """Write all experts of a layer from transformers 5's fused 3-D tensors: gate_up [E, 2I, H], down [E, H, I]."""
-        h, i = self.layout.hidden_size, self.layout.intermediate_size
-        rows = self.rows[layer]  # [E, 3*I*H]
-        if gate_up is not None:
-            _copy_checked(rows[:, : 2 * i * h].view(self.num_experts, 2 * i, h), gate_up)
-        if down is not None:
-            _copy_checked(rows[:, 2 * i * h :].view(self.num_experts, h, i), down)
+        for part, src in (("gate_up", gate_up), ("down", down)):
+            if src is None:
+                continue
+            if src.shape[0] != self.num_experts:
+                raise ValueError(f"expert weight has {src.shape[0]} experts, expected {self.num_experts}")
+            for expert, weights in enumerate(src):  # one expert at a time: encoding needs fp32 temporaries
+                self.layout.write(self.row(layer, expert), part, weights)
 
 
 def _pin(owner: ExpertStore, rows: torch.Tensor) -> None:
@@ -77,9 +77,3 @@ def _pin(owner: ExpertStore, rows: torch.Tensor) -> None:
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of the {rows.numel() * rows.element_size() / 2**30:.1f} GiB expert store failed ({err})")
     weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
-
-
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"expert weight has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from engine.experts.formats import expert_format
 from engine.experts.layout import ExpertLayout
 from engine.models.registry import family_for
 from engine.models.rope import RopeConfig
@@ -92,5 +93,6 @@ class ModelConfig:
         """Index among the MoE layers (LayerRouting.layer, ExpertStore's first axis); None if dense."""
         return self.moe_layers.index(layer) if layer in self.moe_layers else None
 
-    def expert_layout(self, dtype: torch.dtype) -> ExpertLayout:
-        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype)
+    def expert_layout(self, dtype: torch.dtype, quant: str = "none") -> ExpertLayout:
+        """One routed expert's row: computed in dtype, stored in the --expert-quant format `quant`."""
+        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(quant, dtype))

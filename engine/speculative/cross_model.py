@@ -18,7 +18,7 @@ predictions from being evicted by later prefetches (Algorithm 1's cached-queue c
 guard: evicting one would only trade one copy the verify pass needs for another). A worker
 thread doing the same work fought the compute thread for the GIL: on the GPU, with 12.6 MB
 experts at half the experts cached and gamma 8, SP-MoE took 1.77 ms per token against plain
-SD's 1.51 with it (bench/results/paired-spmoe-thread-olmoe-50.md; the next-layer predictor had
+SD's 1.51 with it (bench/results/paired/paired-spmoe-thread-olmoe-50.md; the next-layer predictor had
 taught the same lesson, engine/experts/predictor.py).
 The verify pass's own routing, read back by the expert runner, scores the predictions.
 

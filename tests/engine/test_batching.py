@@ -21,10 +21,11 @@ def requests(lengths: tuple[int, ...] = (3, 17, 1, 30, 8, 12)) -> list[GenerateR
     params = [
         SamplingParams(max_tokens=12, temperature=0),
         SamplingParams(max_tokens=9, temperature=0.8, seed=11, logprobs=3),
-        SamplingParams(max_tokens=15, temperature=1.0, top_k=20, top_p=0.9, seed=5),
+        SamplingParams(max_tokens=15, temperature=1.0, top_k=20, top_p=0.9, seed=5, min_p=0.05,
+                       repetition_penalty=1.3),
         SamplingParams(max_tokens=7, temperature=0, presence_penalty=0.5, frequency_penalty=0.7, logprobs=0),
         SamplingParams(max_tokens=11, temperature=0.6, seed=3, frequency_penalty=1.0),
-        SamplingParams(max_tokens=14, temperature=0, stop_token_ids=(9,)),
+        SamplingParams(max_tokens=14, temperature=0, stop_token_ids=(9,), min_tokens=4, logit_bias=((9, 3.0),)),
     ]
     return [GenerateRequest(f"r{i}", tuple(torch.randint(3, 128, (n,), generator=gen).tolist()), p)
             for i, (n, p) in enumerate(zip(lengths, params))]

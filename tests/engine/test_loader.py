@@ -161,3 +161,13 @@ class CudaRunner(AllResidentRunner):
         rows = {e: self.store.row(routing.layer, e).to(x.device, non_blocking=True) for e in ids}
         accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, self.store.layout)
         return out
+
+
+def test_no_progress_bar_off_a_terminal_only_log_lines(qwen2_moe: Path, capfd: pytest.CaptureFixture,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """stderr captured here is no terminal: the bar's carriage returns must not reach a log file."""
+    with caplog.at_level("INFO", logger="engine.loader"):
+        load_model(qwen2_moe, runner_factory=AllResidentRunner.factory)
+    assert "\r" not in capfd.readouterr().err
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0].startswith("loading weights: ") and messages[-1].startswith("weights loaded in ")

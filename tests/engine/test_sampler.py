@@ -17,8 +17,9 @@ import torch
 
 from engine.decode import choose_token
 from engine.messages import SamplingParams, TokenLogprob
-from engine.sampler import SamplingBatch, SamplingRow, exponential_noise, noise_bits, sample
-from engine.sampling import apply_penalties, target_distribution, token_logprob
+from engine.sampler import SamplingBatch, SamplingRow, TokenMask, exponential_noise, noise_bits, sample
+from engine.sampling import (apply_penalties, draft_verify_honours, forbid_stop_tokens, target_distribution,
+                             token_logprob)
 from engine.sequence import Sequence
 
 CPU = torch.device("cpu")
@@ -166,6 +167,7 @@ STAT_PARAMS = [
     SamplingParams(8, temperature=0.7, top_k=5),
     SamplingParams(8, temperature=1.3, top_p=0.8),
     SamplingParams(8, temperature=0.9, top_k=6, top_p=0.9, presence_penalty=0.5, frequency_penalty=0.4),
+    SamplingParams(8, temperature=1.2, min_p=0.2, top_p=0.95, logit_bias=((6, 1.5),)),
 ]
 DRAWS = 20_000
 
@@ -217,3 +219,135 @@ def assert_logprob_close(got: TokenLogprob | None, want: TokenLogprob | None, to
         assert abs(value - want_value) <= tol  # the same values, best first
         # the same ids, but for ties at the cut-off
         assert abs(want_of.get(token, float("inf")) - value) <= tol or abs(value - want.top[-1][1]) <= tol
+
+
+# vLLM's extras: logit_bias, min_p, repetition_penalty, min_tokens (over the stop tokens)
+
+def extras_row(rng: random.Random, vocab: int = VOCAB) -> SamplingRow:
+    """random_row with some of the extras; the prompt is what the repetition penalty also sees."""
+    row = random_row(rng, vocab)
+    params = replace(
+        row.params, min_p=rng.choice([0.0, 0.0, 0.05, 0.5, 1.0]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.7]), min_tokens=rng.choice([0, 0, 3, 20]),
+        stop_token_ids=tuple(rng.sample(range(vocab), rng.randrange(3))),
+        logit_bias=tuple((t, rng.uniform(-100, 100)) for t in rng.sample(range(vocab), rng.choice([0, 0, 1, 4]))))
+    return SamplingRow(params, row.seed, row.output_ids, [rng.randrange(vocab) for _ in range(rng.randrange(1, 9))])
+
+
+def adjusted(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """The per-sequence reference of what a row samples from, as decode.choose_token builds it."""
+    penalised_logits = apply_penalties(logits, row.params, Counter(row.output_ids), row.prompt_ids)
+    return forbid_stop_tokens(penalised_logits, row.params, len(row.output_ids))
+
+
+def test_extras_greedy_and_logprobs_equal_choose_token() -> None:
+    rng = random.Random(10)
+    rows = [extras_row(rng) for _ in range(80)]
+    rows = [SamplingRow(replace(r.params, temperature=0.0), r.seed, r.output_ids, r.prompt_ids) if i % 2 else r
+            for i, r in enumerate(rows)]
+    logits = torch.randn(len(rows), VOCAB, generator=torch.Generator().manual_seed(11)) * 3  # [B, V]
+    tokens, logprobs = run(logits, rows)
+    for b, row in enumerate(rows):
+        seq = Sequence("r", list(row.prompt_ids), row.params, row.seed, output_ids=list(row.output_ids),
+                       output_counts=Counter(row.output_ids))
+        if row.params.temperature == 0:
+            token, want = choose_token(seq, logits[b], torch.Generator())
+            assert tokens[b] == token
+        else:
+            want = None if row.params.logprobs is None else token_logprob(adjusted(logits[b], row), tokens[b],
+                                                                         row.params.logprobs)
+            assert target_distribution(adjusted(logits[b], row), row.params)[tokens[b]] > 0
+        assert_logprob_close(logprobs[b], want)
+
+
+def test_extras_rows_sample_the_same_alone_and_leave_their_neighbours_alone() -> None:
+    rng = random.Random(12)
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(6):
+        rows = [extras_row(rng) if rng.random() < 0.5 else random_row(rng) for _ in range(rng.randrange(2, 30))]
+        logits = torch.round(torch.randn(len(rows), VOCAB, generator=gen) * 8) / 4  # [B, V], many ties
+        batched = run(logits, rows)
+        alone = [run(logits[b:b + 1], [row]) for b, row in enumerate(rows)]
+        assert batched == ([tokens[0] for tokens, _ in alone], [logprobs[0] for _, logprobs in alone])
+
+
+def test_a_batch_without_extras_builds_none_of_their_tensors() -> None:
+    rows = [random_row(random.Random(seed)) for seed in range(20)]
+    batch = SamplingBatch.build(rows, CPU)
+    assert batch.bias_ids is batch.bias is batch.seen_ids is batch.repetition is batch.log_min_p is None
+    reached = SamplingRow(SamplingParams(8, min_tokens=2, stop_token_ids=(1,)), 0, [5, 6])  # min_tokens met
+    assert SamplingBatch.build([reached], CPU).bias_ids is None
+
+
+def test_logit_bias_and_min_tokens_decide_greedy_tokens() -> None:
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 0] = 5.0  # token 0 is the EOS the model wants
+    params = SamplingParams(8, temperature=0.0, stop_token_ids=(0,), min_tokens=2)
+    rows = [SamplingRow(params, 0, [3]),  # below min_tokens: EOS banned, even biased up
+            SamplingRow(replace(params, logit_bias=((0, 100.0), (9, 4.0))), 0, [3]),
+            SamplingRow(replace(params, logit_bias=((9, 100.0),)), 0, [3, 4])]  # reached: bias wins
+    tokens, _ = run(logits, rows)
+    assert tokens[0] != 0 and tokens[1] == 9 and tokens[2] == 9
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
+    row = SamplingRow(SamplingParams(8, temperature=0.0, repetition_penalty=2.0, logprobs=4), 0, [1], [0])
+    _, [logprob] = run(logits, [row])
+    want = torch.log_softmax(torch.tensor([1.0, -4.0, 2.0, -2.0, 1.0]), -1)  # 0 from the prompt, 1 generated
+    assert logprob.token_id == 2 and dict(logprob.top) == pytest.approx({i: float(want[i]) for i in (2, 0, 4, 3)})
+
+
+def test_min_p_keeps_only_tokens_near_the_best() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.12, 0.08])).expand(400, -1)  # [B, V]
+    rows = [SamplingRow(SamplingParams(8, temperature=1.0, min_p=0.5), seed, []) for seed in range(400)]
+    tokens, _ = run(logits, rows)
+    assert set(tokens) == {0, 1}  # 0.12 < 0.5 * 0.5
+
+
+def test_draft_verify_honours_the_extras_it_applies() -> None:
+    assert draft_verify_honours(SamplingParams(8, logit_bias=((1, 2.0),), min_p=0.1), 0)
+    assert not draft_verify_honours(SamplingParams(8, repetition_penalty=1.1), 50)
+    assert not draft_verify_honours(SamplingParams(8, min_tokens=4), 3)
+    assert draft_verify_honours(SamplingParams(8, min_tokens=4), 4)
+
+
+def token_mask(allowed: dict[int, list[int]], vocab: int = VOCAB) -> TokenMask:
+    """A grammar mask: row -> its allowed token ids (engine/structured.py fills real ones)."""
+    bits = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int64)
+    for k, ids in enumerate(allowed.values()):
+        for t in ids:
+            bits[k, t // 32] |= 1 << (t % 32)
+    return TokenMask(torch.tensor(list(allowed)), ((bits + 2**31) % 2**32 - 2**31).int())  # as int32 bits
+
+
+def test_grammar_mask_restricts_only_its_rows_and_leaves_logprobs_to_the_model() -> None:
+    rng = random.Random(3)
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
+    rows = [random_row(rng) for _ in range(4)]
+    rows[1] = replace(rows[1], params=replace(rows[1].params, temperature=1.0, logprobs=2))
+    rows[2] = replace(rows[2], params=replace(rows[2].params, temperature=0.0, logprobs=2))
+    allowed = {1: [5, 31, 32, 47], 2: [0, 40]}  # both sides of a 32-bit word boundary, and the last id
+    for seed in range(20):
+        rows[1] = replace(rows[1], seed=seed)
+        batch = SamplingBatch.build(rows, CPU)
+        free_tokens, free_logprobs = sample(logits, batch).to_host()
+        tokens, logprobs = sample(logits, batch, token_mask(allowed)).to_host()
+        assert tokens[1] in allowed[1] and tokens[2] in allowed[2]
+        assert tokens[2] == max(allowed[2], key=lambda t: penalised(logits[2], rows[2])[t].item())
+        assert [tokens[0], tokens[3]] == [free_tokens[0], free_tokens[3]]  # other rows: untouched
+        assert [lp.top for lp in logprobs[1:3]] == [lp.top for lp in free_logprobs[1:3]]  # the model's own
+    greedy = [replace(row, params=SamplingParams(max_tokens=8, temperature=0)) for row in rows]
+    fast = sample(logits.bfloat16(), SamplingBatch.build(greedy, CPU), token_mask({0: [7], 3: [9, 10]}))
+    assert fast.tokens[0] == 7 and fast.tokens[3] in (9, 10)  # the greedy-only path applies it too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_extras_cpu_and_cuda_agree() -> None:
+    rng = random.Random(14)
+    rows = [extras_row(rng, vocab=4096) for _ in range(256)]
+    logits = torch.randn(len(rows), 4096, generator=torch.Generator().manual_seed(15)) * 3  # [B, V]
+    on_cpu, on_cuda = run(logits, rows), run(logits, rows, torch.device("cuda"))
+    assert on_cpu[0] == on_cuda[0]
+    for want, got in zip(on_cpu[1], on_cuda[1]):
+        assert_logprob_close(got, want, tol=1e-5)

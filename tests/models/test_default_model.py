@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts"))
+import stdlib_corpus  # noqa: E402
 TARGET_DIR = REPO / "models" / "default"
 DRAFT_DIR = REPO / "models" / "default-draft"
 PROMPT = "import os\n\n\ndef read_lines(path):\n"
@@ -76,6 +80,26 @@ def test_chat_template_renders_chatml(tokenizer):
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
                     "<|im_start|>assistant\n")
+
+
+def test_chat_template_renders_tools_and_tool_turns_in_hermes_style(tokenizer):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [call, call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in text
+    tool_call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert text.endswith(f"<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n{tool_call}\n{tool_call}<|im_end|>\n"
+                         "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n"
+                         "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_chat_template_is_the_one_the_training_scripts_write(tokenizer):
+    assert tokenizer.chat_template == stdlib_corpus.CHAT_TEMPLATE
 
 
 def test_generation_config_stops_at_both_ends(models, tokenizer):

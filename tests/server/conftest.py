@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 FAMILY = "mixtral"
 MAX_MODEL_LEN = 256
 START_TIMEOUT_S = 240
+DEFAULT_MODEL = REPO / "models" / "default"
 
 
 def free_port() -> int:
@@ -113,5 +114,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     running = start_server(tiny_model, tmp_path_factory.mktemp("logs"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def default_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The embedded default model (a real tokenizer and trained weights), for tests that compare
+    against it scored directly with transformers."""
+    running = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"))
     yield running
     running.stop()

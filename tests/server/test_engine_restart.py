@@ -13,6 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from tests.server.conftest import REPO, RunningServer, start_server
 
@@ -90,8 +92,10 @@ def test_killed_engine_fails_in_flight_requests_and_comes_back(victim: RunningSe
 def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: Path) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer but no weights
+    # passes every start-up check (config, tokenizer, a weights file); only loading finds the tensor unknown
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (broken / name).write_bytes((tiny_model / name).read_bytes())
+    save_file({"not.a.weight": torch.zeros(1)}, str(broken / "model.safetensors"))
     with pytest.raises(RuntimeError, match="server exited with 1"):
         start_server(broken, tmp_path)
     log = next(tmp_path.glob("server-*.log")).read_text()
@@ -101,4 +105,4 @@ def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: P
 def test_missing_model_directory_is_a_clean_error(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "server", "--model", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 1 and "no such checkpoint directory" in done.stderr
+    assert done.returncode == 1 and "no such folder" in done.stderr

@@ -112,9 +112,9 @@ def test_unsupported_openai_fields_are_rejected_by_name(server: RunningServer, f
 
 def test_unknown_fields_are_rejected_by_name(server: RunningServer) -> None:
     assert_error(server.post(CHAT, json=chat_body(server, temprature=0.5)), 400, "temprature", "temprature")
-    body = chat_body(server, messages=[{"role": "user", "content": "hi", "name": "bob"}])
-    assert_error(server.post(CHAT, json=body), 400, "messages.0.name")
-    assert_error(server.post(COMPLETIONS, json={"model": server.model, "prompt": "x", "echo": True}), 400, "echo")
+    body = chat_body(server, messages=[{"role": "user", "content": "hi", "nickname": "bob"}])
+    assert_error(server.post(CHAT, json=body), 400, "messages.0.nickname")
+    assert_error(server.post(COMPLETIONS, json={"model": server.model, "prompt": "x", "best_of": 2}), 400, "best_of")
 
 
 def test_unknown_model_is_404(server: RunningServer) -> None:
@@ -164,7 +164,7 @@ JSON_VALUES = st.recursive(
 )
 FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options",
           "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "user", "messages", "prompt",
-          "model", "max_completion_tokens", "tools", "zzz"]
+          "model", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "zzz"]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,5 +1,5 @@
 """A real Prometheus scrapes a real server under load; every PromQL query of the Grafana
-dashboard must then return data."""
+dashboard must then return data, and the vllm: series must match their moe_ twins."""
 from __future__ import annotations
 
 import json
@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.server.conftest import REPO, RunningServer, free_port, start_server
+from tests.server.test_metrics import SAME_VALUE
 
 DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "moe-serve.json"
 RATE_WINDOW = "30s"  # what Grafana's $__rate_interval becomes here: it spans the whole load
@@ -129,3 +130,34 @@ def test_every_dashboard_query_returns_data(busy_server: RunningServer, promethe
             print(f"{name}: the engine ran no speculative rounds, so 0/0 = NaN is the right answer")
             continue
         assert any(math.isfinite(v) for v in values), f"{name}: only NaN/Inf for {expr}: {values}"
+
+
+def _selector(sample: str | tuple, **labels: str) -> str:
+    name, own = (sample, ()) if isinstance(sample, str) else sample
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in (*own, *labels.items())) + "}"
+
+
+def test_vllm_names_reach_prometheus_beside_their_moe_twins(busy_server: RunningServer, prometheus: str) -> None:
+    """What a vLLM dashboard or `vllm bench serve` reads: each vllm: series, labelled with the served
+    model, equals its moe_ twin at the same instant, and vLLM-style PromQL answers."""
+    _wait_until(lambda: _query(prometheus, 'up{job="moe-serve"} == 1'), 30)
+    body = {"model": busy_server.model, "messages": [{"role": "user", "content": "twins"}], "max_tokens": 24,
+            "seed": 3}
+    assert busy_server.post("/v1/chat/completions", json=body).status_code == 200
+    served = busy_server.metric("moe_generation_tokens_total")
+    _wait_until(lambda: any(float(r["value"][1]) == served
+                            for r in _query(prometheus, "moe_generation_tokens_total")), 30)
+    model = {"model_name": busy_server.model, "engine": "0"}
+    for moe, vllm in SAME_VALUE:
+        # one expression, so both sides come from the same scrape
+        expr = (f"{_selector(vllm, **model)} - ignoring(model_name, engine, finished_reason, finish_reason) "
+                f"{_selector(moe)}")
+        assert [float(r["value"][1]) for r in _query(prometheus, expr)] == [0.0], expr
+    assert busy_server.metric("moe_spec_drafts_total") > 0, "the self-drafting server ran no speculative round"
+    rate = f'{{model_name="{busy_server.model}"}}[{RATE_WINDOW}])'
+    for expr in (f"histogram_quantile(0.5, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket{rate}))",
+                 f"histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{rate}))",
+                 (f"1 + rate(vllm:spec_decode_num_accepted_tokens_total{rate}"  # mean acceptance length
+                  f" / rate(vllm:spec_decode_num_drafts_total{rate}")):
+        values = [float(r["value"][1]) for r in _query(prometheus, expr)]
+        assert values and all(math.isfinite(v) for v in values), (expr, values)

@@ -47,7 +47,7 @@ def _flatten(routes: list) -> Iterator:
 def v1_routes(tiny_model: Path) -> list[tuple[str, str]]:
     """Every (method, path) under /v1 the app serves, read from the app itself so a new route is covered."""
     app = create_app(ServerSettings(served_model_name="x"), EngineConfig(model=str(tiny_model)))
-    routes = [(method, route.path) for route in _flatten(app.routes) if route.path.startswith("/v1")
+    routes = [(method, route.path_format) for route in _flatten(app.routes) if route.path.startswith("/v1")
               for method in sorted(route.methods or ()) if method != "HEAD"]
     assert {p for p in app.openapi()["paths"] if p.startswith("/v1")} == {path for _, path in routes}
     assert {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("GET", "/v1/models")} <= set(routes)
@@ -79,15 +79,25 @@ def test_docs_and_schema_are_not_served_behind_a_key(keyed: RunningServer) -> No
         assert resp.status_code == 404, (path, resp.status_code)
 
 
-INPUTS = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user",
-                                                                                          "content": "hi"}]}}
+INPUTS = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
+          "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+          "/v1/responses": {"input": "hi", "max_output_tokens": 1}}
 
 
 def test_the_key_opens_every_v1_route(keyed: RunningServer, tiny_model: Path) -> None:
     for method, path in v1_routes(tiny_model):
-        body = {"model": keyed.model, "max_tokens": 1, **INPUTS[path]} if method == "POST" else None
-        resp = httpx.request(method, keyed.base_url + path, headers=auth(KEY), json=body, timeout=30)
+        body = {"model": keyed.model, **INPUTS[path]} if method == "POST" else None
+        resp = httpx.request(method, keyed.base_url + _existing(path, keyed), headers=auth(KEY), json=body, timeout=30)
         assert resp.status_code == 200, (method, path, resp.text)
+
+
+def _existing(path: str, keyed: RunningServer) -> str:
+    """path with its parameters filled in with things that exist: the model, a stored response."""
+    if "{response_id}" in path:
+        made = httpx.post(keyed.base_url + "/v1/responses", headers=auth(KEY), timeout=30,
+                          json={"model": keyed.model, **INPUTS["/v1/responses"]})
+        path = path.replace("{response_id}", made.json()["id"])
+    return path.replace("{model_id}", keyed.model)
 
 
 def _names(node: ast.AST) -> set[str]:

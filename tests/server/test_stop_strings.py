@@ -9,14 +9,14 @@ from server.stop import StopMatcher
 ALPHABET = "ab c日"
 
 
-def _reference(text: str, stops: list[str]) -> tuple[str, bool]:
-    """Cut at the stop occurrence that ends first (ties: starts first)."""
+def _reference(text: str, stops: list[str], include_stop: bool = False) -> tuple[str, bool]:
+    """Cut at the stop occurrence that ends first (ties: starts first); before it, or after it when included."""
     hits = [(i + len(s), i) for s in stops if s and (i := text.find(s)) >= 0]
-    return (text[: min(hits)[1]], True) if hits else (text, False)
+    return (text[: min(hits)[0 if include_stop else 1]], True) if hits else (text, False)
 
 
-def _run(chunks: list[str], stops: list[str]) -> tuple[list[str], bool]:
-    matcher = StopMatcher(stops)
+def _run(chunks: list[str], stops: list[str], include_stop: bool = False) -> tuple[list[str], bool]:
+    matcher = StopMatcher(stops, include_stop)
     out = []
     for chunk in chunks:
         emitted, hit = matcher.feed(chunk)
@@ -32,6 +32,8 @@ def _run(chunks: list[str], stops: list[str]) -> tuple[list[str], bool]:
 def test_any_chunking_gives_the_reference_cut(chunks: list[str], stops: list[str]) -> None:
     out, hit = _run(chunks, stops)
     assert ("".join(out), hit) == _reference("".join(chunks), stops)
+    out, hit = _run(chunks, stops, include_stop=True)  # vLLM's include_stop_str_in_output
+    assert ("".join(out), hit) == _reference("".join(chunks), stops, include_stop=True)
 
 
 @settings(max_examples=300, deadline=None)

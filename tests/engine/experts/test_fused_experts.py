@@ -2,36 +2,47 @@
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be set before the kernel
 module is imported, so those cases run in a subprocess); on a GPU they are compiled, compared in
-bf16, and captured in a CUDA graph. Skipped where triton is not installed.
+bf16, and captured in a CUDA graph. Every expert format is checked: quantized slots decoded in the
+kernel equal the torch path's reference dequantization. Skipped where triton is not installed.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine.experts.compute import GROUPED_MIN_PAIRS, gathered_experts, gathered_experts_torch
-from engine.experts.fused_experts import FusedConfig, fused_experts, fused_experts_available
+from engine.experts.compute import (
+    GROUPED_MIN_PAIRS,
+    gathered_experts,
+    gathered_experts_torch,
+)
+from engine.experts.formats import FORMAT_NAMES, expert_format
+from engine.experts.fused_experts import (
+    FusedConfig,
+    fused_experts,
+    fused_experts_available,
+)
 from engine.experts.layout import ExpertLayout
+from tests.engine.experts.slot_rows import random_slots
+from tests.triton_interpreter import needs_triton, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[3]
 # Blocks far smaller than the shapes: every kernel loops, and every edge is masked.
 TINY = FusedConfig(gate_up_rows=4, gate_up_cols=8, gate_up_warps=1, down_rows=4, down_cols=8, down_warps=1)
 # (H, I, T, k): odd sizes, T in {1, 3}, k in {0, 1, 2, 4}
 CASES = [(37, 19, 1, 1), (37, 19, 3, 2), (16, 24, 3, 4), (40, 33, 1, 4), (24, 8, 3, 1), (21, 13, 1, 0)]
+# quantized formats, fewer cases (the interpreter is slow): odd K for int4's half-filled last byte
+# and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups
+QUANT_CASES = [(37, 19, 3, 2), (40, 33, 1, 4), (256, 64, 2, 2)]
+QUANTIZED = [name for name in FORMAT_NAMES if name != "none"]
 CUDA_CASES = [(256, 128, 1, 8), (256, 128, 3, 8), (200, 72, 4, 2), (2048, 1024, 1, 8)]
 
 
-def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
+def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none"):
     gen = torch.Generator().manual_seed(seed)
-    layout = ExpertLayout(hidden_size=h, intermediate_size=i, dtype=dtype)
-    slots = torch.randn(5, layout.numel, generator=gen) / h**0.5  # [S, numel]
+    layout = ExpertLayout(hidden_size=h, intermediate_size=i, dtype=dtype, format=expert_format(quant, dtype))
+    slots = random_slots(layout, 5, gen)  # [S, numel]
     x = torch.randn(t, h, generator=gen)  # [T, H]
     ids = torch.randint(0, 5, (t, k), generator=gen)  # [T, k]
     if k > 1:
@@ -39,32 +50,32 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
     if t > 1 and k:
         ids[-1, 0] = ids[0, 0]  # and across tokens
     weights = torch.rand(t, k, generator=gen)  # [T, k]
-    return layout, *(v.to(device) for v in (slots.to(dtype), x.to(dtype), ids, weights))
+    return layout, *(v.to(device) for v in (slots, x.to(dtype), ids, weights))
 
 
-def check_interpreted(cases: list[tuple[int, int, int, int]]) -> None:
+def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none") -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch."""
     for h, i, t, k in cases:
-        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu")
+        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
         for config in (TINY, None):
             got = fused_experts(x, weights, slots, ids, layout, config=config)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{(h, i, t, k)} {config}")
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fused_experts_available("cuda")),
                                 reason="needs a CUDA device and triton")
 
 
 @needs_triton
 def test_interpreter_matches_torch_path():
-    path = os.pathsep.join(filter(None, [str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    code = f"import test_fused_experts as t; t.check_interpreted({json.dumps(CASES)})"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted(__file__, f"check_interpreted({json.dumps(CASES)})")
+
+
+@needs_triton
+@pytest.mark.parametrize("quant", QUANTIZED)
+def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
+    run_interpreted(__file__, f"check_interpreted({json.dumps(QUANT_CASES)}, {quant!r})")
 
 
 def test_not_available_on_cpu():
@@ -75,11 +86,14 @@ def test_not_available_on_cpu():
 
 
 @needs_cuda
+@pytest.mark.parametrize("quant", FORMAT_NAMES)
 @pytest.mark.parametrize("h,i,t,k", CUDA_CASES)
-def test_cuda_bf16_matches_torch_path(h, i, t, k):
-    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda")
-    fp32 = ExpertLayout(h, i, torch.float32)
-    exact = gathered_experts_torch(x.float(), weights, slots.float(), ids, fp32)  # fp32 math on bf16 inputs
+def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
+    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
+    if quant == "none":  # fp32 math on bf16 inputs
+        exact = gathered_experts_torch(x.float(), weights, slots.float(), ids, ExpertLayout(h, i, torch.float32))
+    else:  # the same quantized rows decoded to fp32
+        exact = gathered_experts_torch(x.float(), weights, slots, ids, replace(layout, dtype=torch.float32))
     fused = fused_experts(x, weights, slots, ids, layout)
     assert fused.dtype == torch.bfloat16 and fused.shape == (t, h)
     torch.testing.assert_close(fused.float(), exact, rtol=1.6e-2, atol=1e-2)  # only the final cast rounds

@@ -3,42 +3,49 @@
 The block layout (torch only) is checked on CPU for its invariants. The kernels run in Triton's
 interpreter on CPU (TRITON_INTERPRET=1 must be set before the kernel module is imported, so
 those cases run in a subprocess); on a GPU they are compiled, compared in bf16, and captured in
-a CUDA graph. Skipped where triton is not installed.
+a CUDA graph. Every expert format is checked: quantized slots decoded in the kernel equal the
+torch path's reference dequantization. Skipped where triton is not installed.
 """
 from __future__ import annotations
 
 import importlib.util
 import itertools
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine.experts.compute import GROUPED_MIN_PAIRS, gathered_experts, gathered_experts_torch
+from engine.experts.compute import (
+    GROUPED_MIN_PAIRS,
+    gathered_experts,
+    gathered_experts_torch,
+)
+from engine.experts.formats import FORMAT_NAMES, expert_format
 from engine.experts.layout import ExpertLayout
+from tests.engine.experts.slot_rows import random_slots
+from tests.triton_interpreter import needs_triton, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[3]
 NUM_SLOTS = 9  # more slots than the routings below use
 USED_SLOTS = 5
 SHARED_SLOT = 3  # routed by every token
 # (H, I, T, k): odd sizes, T in {1, 5, 17}, k in {1, 2, 4}, and k = 0 (every expert on the CPU)
 CASES = [(h, i, t, k) for (h, i), t, k in itertools.product([(37, 19), (16, 24), (40, 33)], [1, 5, 17], [1, 2, 4])]
 CASES += [(21, 13, 5, 0)]
+# quantized formats, fewer cases (the interpreter is slow): odd K for int4's half-filled last byte
+# and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups
+QUANT_CASES = [(37, 19, 5, 2), (40, 33, 17, 4), (256, 64, 9, 2)]
+QUANTIZED = [name for name in FORMAT_NAMES if name != "none"]
 # (T, k, S, block_m) for the block layout alone
 LAYOUT_CASES = [(1, 1, 1, 16), (17, 4, 9, 16), (64, 2, 8, 16), (32, 8, 64, 16), (9, 3, 40, 4), (50, 1, 3, 7),
                 (64, 8, 2, 16)]
 CUDA_CASES = [(256, 128, 32, 2), (200, 72, 17, 4), (2048, 1024, 32, 2), (2048, 1024, 8, 8)]
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
 
-def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0):
+def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none"):
     gen = torch.Generator().manual_seed(seed)
-    layout = ExpertLayout(hidden_size=h, intermediate_size=i, dtype=dtype)
-    slots = torch.randn(NUM_SLOTS, layout.numel, generator=gen) / h**0.5  # [S, numel]
+    layout = ExpertLayout(hidden_size=h, intermediate_size=i, dtype=dtype, format=expert_format(quant, dtype))
+    slots = random_slots(layout, NUM_SLOTS, gen)  # [S, numel]
     x = torch.randn(t, h, generator=gen)  # [T, H]
     ids = torch.randint(0, USED_SLOTS, (t, k), generator=gen)  # [T, k]: slots repeat across tokens
     if k:
@@ -46,7 +53,7 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
     if k > 1:
         ids[0, -1] = ids[0, 0]  # the same slot twice in one token
     weights = torch.rand(t, k, generator=gen)  # [T, k]
-    return layout, *(v.to(device) for v in (slots.to(dtype), x.to(dtype), ids, weights))
+    return layout, *(v.to(device) for v in (slots, x.to(dtype), ids, weights))
 
 
 def tiny_config():
@@ -57,17 +64,17 @@ def tiny_config():
                          down_block_h=16, down_block_i=16, down_warps=1, down_stages=1, sum_block_h=16)
 
 
-def check_interpreted(cases: list[tuple[int, int, int, int]]) -> None:
+def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none") -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch."""
     from engine.experts.grouped_experts import grouped_experts
 
     for h, i, t, k in cases:
-        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu")
+        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
         for config in (tiny_config(), None):
             got = grouped_experts(x, weights, slots, ids, layout, config=config)
             assert got.shape == (t, h) and got.dtype == x.dtype
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{(h, i, t, k)} {config}")
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
 
 
 def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[list[tuple[int, list[int]]], int]:
@@ -103,22 +110,20 @@ def check_block_layouts(cases: list[tuple[int, int, int, int]]) -> None:
     assert len(blocks) == grid == max_blocks(35, 3, 16) == 5
 
 
-def _interpret(call: str) -> None:
-    path = os.pathsep.join(filter(None, [str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    done = subprocess.run([sys.executable, "-c", f"import test_grouped_experts as t; t.{call}"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+@needs_triton
+def test_interpreter_matches_torch_path():
+    run_interpreted(__file__, f"check_interpreted({json.dumps(CASES)})")
 
 
 @needs_triton
-def test_interpreter_matches_torch_path():
-    _interpret(f"check_interpreted({json.dumps(CASES)})")
+@pytest.mark.parametrize("quant", QUANTIZED)
+def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
+    run_interpreted(__file__, f"check_interpreted({json.dumps(QUANT_CASES)}, {quant!r})")
 
 
 @needs_triton
 def test_block_layout_covers_every_pair_once_in_blocks_of_one_slot():
-    _interpret(f"check_block_layouts({json.dumps(LAYOUT_CASES)})")
+    run_interpreted(__file__, f"check_block_layouts({json.dumps(LAYOUT_CASES)})")
 
 
 def test_cpu_keeps_the_torch_path_at_any_batch():
@@ -140,13 +145,16 @@ needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device a
 
 
 @needs_cuda
+@pytest.mark.parametrize("quant", FORMAT_NAMES)
 @pytest.mark.parametrize("h,i,t,k", CUDA_CASES)
-def test_cuda_bf16_matches_torch_path(h, i, t, k):
+def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     from engine.experts.grouped_experts import grouped_experts
 
-    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda")
-    fp32 = ExpertLayout(h, i, torch.float32)
-    exact = gathered_experts_torch(x.float(), weights, slots.float(), ids, fp32)  # fp32 math on bf16 inputs
+    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
+    if quant == "none":  # fp32 math on bf16 inputs
+        exact = gathered_experts_torch(x.float(), weights, slots.float(), ids, ExpertLayout(h, i, torch.float32))
+    else:  # the same quantized rows decoded to fp32 (the kernel rounds them to bf16 for tl.dot, as torch does)
+        exact = gathered_experts_torch(x.float(), weights, slots, ids, replace(layout, dtype=torch.float32))
     grouped = grouped_experts(x, weights, slots, ids, layout)
     assert grouped.dtype == torch.bfloat16 and grouped.shape == (t, h)
     torch.testing.assert_close(grouped.float(), exact, rtol=1.6e-2, atol=1e-2)  # act and the output round

@@ -12,22 +12,21 @@ bf16, and captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import engine.kv.paged_attention as pa
-from engine.kv.paged_attention import (PagedAttentionConfig, paged_attention, paged_attention_available,
-                                       paged_attention_torch)
+from engine.kv.paged_attention import (
+    PagedAttentionConfig,
+    paged_attention,
+    paged_attention_available,
+    paged_attention_torch,
+)
+from tests.triton_interpreter import needs_triton, run_interpreted
 
-ROOT = Path(__file__).resolve().parents[3]
 # (sequence lengths, queries per sequence, nkv, g, D, block_size, window)
 CASES = [
     ([1, 7, 33, 20], [1, 1, 1, 1], 2, 1, 16, 4, None),  # decode tokens, one a first token
@@ -169,19 +168,13 @@ def check_interpreted(cases: list[tuple]) -> None:
     assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and paged_attention_available("cuda")),
                                 reason="needs a CUDA device and triton")
 
 
 @needs_triton
 def test_interpreter_matches_torch_path():
-    path = os.pathsep.join(filter(None, [str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    code = f"import test_paged_attention as t; t.check_interpreted({CASES!r})"
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_interpreted(__file__, f"check_interpreted({CASES!r})")
 
 
 @needs_cuda

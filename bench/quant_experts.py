@@ -1,0 +1,149 @@
+"""Quantized experts in the kernels: each --expert-quant format against bf16, at bs=1 and bs=32.
+
+One device call:
+    python bench/quant_experts.py --out $OUT/quant_experts.json
+Per shape (OLMoE and Mixtral size) the same random bf16 experts (N(0, 1/H)) are encoded in every
+format, so all formats compute the same model. Per format and T, the fused GEMV kernel, the
+grouped kernel and the dispatch the engine takes (compute.gathered_experts) are each captured in
+a CUDA graph over `layers` calls, one layer's slot buffer each (little is served from L2), and
+timed as the median of CUDA-event-timed replays; every token routes to k distinct experts drawn
+uniformly, as bench/grouped_experts.py does. GB/s counts the distinct experts' bytes in the
+format: what a kernel reading each routed expert once must move, so a memory-bound format's
+speedup over bf16 should approach its byte ratio (int4 ~3.9x, int8 and fp8 ~2x). Errors: against
+fp32 math on the same quantized rows (the kernel's own error), and against the bf16 experts'
+output (what the format costs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.fused_experts import SHAPES, Shape, copy_gbps, graph_ms_per_call  # noqa: E402
+from engine.experts.compute import accumulate_experts, gathered_experts  # noqa: E402
+from engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
+from engine.experts.fused_experts import fused_experts  # noqa: E402
+from engine.experts.grouped_experts import grouped_experts  # noqa: E402
+from engine.experts.layout import ExpertLayout  # noqa: E402
+
+PATHS = {"fused": fused_experts, "grouped": grouped_experts, "dispatch": gathered_experts}
+
+
+class Problem:
+    """`layers` slot buffers of every expert in one format, and per layer T tokens' top-k distinct slots."""
+
+    def __init__(self, layout: ExpertLayout, slots: list[torch.Tensor], ids: list[torch.Tensor], x: torch.Tensor,
+                 weights: torch.Tensor) -> None:
+        self.layout, self.slots, self.ids, self.x, self.weights = layout, slots, ids, x, weights
+
+    def step(self, expert_fn) -> torch.Tensor:
+        y = self.x
+        for slots, ids in zip(self.slots, self.ids):
+            y = expert_fn(y, self.weights, slots, ids, self.layout)
+        return y
+
+    def first_call(self, expert_fn) -> torch.Tensor:
+        return expert_fn(self.x, self.weights, self.slots[0], self.ids[0], self.layout)
+
+
+def encoded_slots(shape: Shape, quant: str, plain: list[torch.Tensor]) -> tuple[ExpertLayout, list[torch.Tensor]]:
+    """The bf16 experts of `plain` (one slot buffer per layer) re-encoded in format `quant`, one expert at a time."""
+    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+    if quant == "none":
+        return bf16, plain
+    layout = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16, expert_format(quant, torch.bfloat16))
+    buffers = []
+    for rows in plain:
+        slots = torch.zeros(shape.experts, layout.numel, dtype=layout.row_dtype, device=rows.device)
+        for expert in range(shape.experts):
+            layout.write(slots[expert], "gate_up", bf16.gate_up(rows[expert]))
+            layout.write(slots[expert], "down", bf16.down(rows[expert]))
+        buffers.append(slots)
+    return layout, buffers
+
+
+def fp32_reference(problem: Problem, quant: str) -> torch.Tensor:
+    """The first call in fp32 math on the same stored weights (bf16 upcast, or quantized rows decoded
+    to fp32), one expert decoded at a time: a Mixtral-size gather of T*k decoded rows would not fit."""
+    layout = problem.layout
+    fp32 = replace(layout, dtype=torch.float32, format=None if quant == "none" else layout.format)
+    slots = problem.slots[0].float() if quant == "none" else problem.slots[0]
+    out = torch.zeros(problem.x.shape, dtype=torch.float32, device=problem.x.device)  # [T, H]
+    rows = {e: slots[e] for e in problem.ids[0].unique().tolist()}
+    accumulate_experts(out, problem.x.float(), problem.ids[0], problem.weights, rows, fp32)
+    return out
+
+
+def rows_for_shape(shape: Shape, tokens_list: list[int], hbm_gbps: float, formats: list[str]) -> list[dict]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+    plain = [torch.empty(shape.experts, bf16.numel, dtype=torch.bfloat16, device="cuda")
+             .normal_(0, shape.hidden**-0.5, generator=gen) for _ in range(shape.layers)]
+    routings = {}
+    for tokens in tokens_list:
+        ids = [torch.rand(tokens, shape.experts, generator=gen, device="cuda").argsort(-1)[:, : shape.top_k]
+               for _ in range(shape.layers)]  # [T, k] each
+        x = torch.randn(tokens, shape.hidden, generator=gen, device="cuda").to(torch.bfloat16)  # [T, H]
+        weights = torch.rand(tokens, shape.top_k, generator=gen, device="cuda").softmax(-1)  # [T, k]
+        routings[tokens] = (ids, x, weights)
+    rows, base_ms, base_out = [], {}, {}
+    for quant in formats:
+        layout, slots = encoded_slots(shape, quant, plain)
+        for tokens, (ids, x, weights) in routings.items():
+            problem = Problem(layout, slots, ids, x, weights)
+            distinct = sum(i.unique().numel() for i in ids) / shape.layers
+            gb = distinct * layout.nbytes / 1e9
+            exact = fp32_reference(problem, quant)
+            row = {"shape": shape.name, "format": layout.format.describe(), "quant": quant, "tokens": tokens,
+                   "expert_bytes": layout.nbytes, "bytes_vs_bf16": layout.nbytes / bf16.nbytes,
+                   "distinct_experts_per_layer": distinct, "floor_ms_at_copy_bandwidth": gb / hbm_gbps * 1e3}
+            for name, fn in PATHS.items():
+                ms = graph_ms_per_call(problem, fn, shape.layers)
+                out = problem.first_call(fn).float()
+                row[f"{name}_ms"] = ms
+                row[f"{name}_gbps_distinct"] = gb / ms * 1e3
+                row[f"{name}_max_abs_diff_over_max_abs_vs_fp32_same_rows"] = \
+                    ((out - exact).abs().max() / exact.abs().max()).item()
+                if quant == "none":
+                    base_ms[(tokens, name)], base_out[(tokens, name)] = ms, out
+                else:
+                    row[f"{name}_speedup_vs_bf16"] = base_ms[(tokens, name)] / ms
+                    ref = base_out[(tokens, name)]
+                    row[f"{name}_rel_l2_vs_bf16_experts"] = ((out - ref).norm() / ref.norm()).item()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del slots
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, help="a JSON file; its name should contain 'quant'")
+    parser.add_argument("--tokens", default="1,32")
+    parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    parser.add_argument("--formats", default=",".join(FORMAT_NAMES), help="none (bf16) first: the baseline")
+    args = parser.parse_args()
+    formats = args.formats.split(",")
+    if formats[0] != "none":
+        parser.error("--formats must start with none, the bf16 baseline the others are compared with")
+    hbm = copy_gbps()
+    result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "triton": __import__("triton").__version__,
+              "copy_gbps_read_plus_write": hbm, "rows": []}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    tokens = list(map(int, args.tokens.split(",")))
+    for shape in (s for s in SHAPES if s.name in args.shapes.split(",")):
+        result["rows"] += rows_for_shape(shape, tokens, hbm, formats)
+        Path(args.out).write_text(json.dumps(result, indent=2))  # after every shape: a timeout keeps the rest
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""What constrained decoding costs per token: the grammar masks alone, then whole engine steps.
+
+    python bench/structured_mask.py --device cuda --out $OUT/structured_mask.json
+    python bench/structured_mask.py --model DIR --vocab 152064 --batch 1 32
+
+mask: B matchers of one JSON schema walk random allowed paths (a grammar restarts once complete);
+per step it times filling the B masks on the host (llguidance's threads), the sampler with and
+without them on the device (upload + unpack + -inf fill + draw), and advancing the matchers.
+--vocab pads the logits (and mask) width to a real model's, since the embedded default model's
+tokenizer has only 8192 tokens. engine: B requests through EngineCore on --model, constrained to
+a fixed-length JSON array vs unconstrained, same tokens each; the median step time while all B
+run, per token. The issue's bar: constrained TPOT within 10% of unconstrained.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import llguidance
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.core import EngineCore  # noqa: E402
+from engine.messages import GenerateRequest, SamplingParams, StructuredOutput  # noqa: E402
+from engine.sampler import SamplingBatch, SamplingRow, sample  # noqa: E402
+from engine.structured import Grammars, MaskFiller  # noqa: E402
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "score", "active"],
+          "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+                         "score": {"type": "number"}, "active": {"type": "boolean"}}}
+ARRAY_ITEMS = 48  # the engine run's schema: exactly this many one-digit integers, ~2 tokens each
+
+
+def synthetic_tokenizer(vocab_size: int):
+    """A byte-level BPE trained on this Python's standard library: a real model's vocabulary size for
+    the mask costs, which grow with the tokenizer (no large tokenizer ships with this repository)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    texts = (f.read_text(errors="replace") for f in files)  # a few test files are not UTF-8
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def allowed_ids(bits: torch.Tensor) -> list[int]:
+    """The token ids a [W] int32 mask row allows."""
+    unpacked = (bits[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
+    return unpacked.flatten().nonzero().flatten().tolist()
+
+
+def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device, vocab: int) -> dict:
+    structured = StructuredOutput("json_schema", json.dumps(SCHEMA))
+    filler, rng = MaskFiller(), random.Random(0)
+    matchers = [grammars.matcher(structured) for _ in range(batch)]
+    rows = [SamplingRow(SamplingParams(max_tokens=10**6, temperature=1.0, seed=i), i, ()) for i in range(batch)]
+    logits = torch.randn(batch, vocab, device=device)
+    sampling = SamplingBatch.build(rows, device)
+    fill, masked, plain, advance = [], [], [], []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        mask = filler.token_mask(matchers, device)
+        t1 = time.perf_counter()
+        sample(logits, sampling, mask).to_host()
+        t2 = time.perf_counter()
+        sample(logits, sampling).to_host()
+        t3 = time.perf_counter()
+        host_bits = mask.bits.cpu()
+        chosen = [rng.choice(allowed_ids(host_bits[k])) for k in range(batch)]  # a random allowed path
+        t4 = time.perf_counter()
+        complete = [grammar.advance(token) for grammar, token in zip(matchers, chosen)]
+        t5 = time.perf_counter()
+        matchers = [grammars.matcher(structured) if done or grammar.matcher.is_accepting() else grammar
+                    for grammar, done in zip(matchers, complete)]  # complete: start the next document
+        fill.append(t1 - t0)
+        masked.append(t2 - t1)
+        plain.append(t3 - t2)
+        advance.append(t5 - t4)
+    us = 1e6
+    med = statistics.median
+    return {"batch": batch, "steps": steps, "vocab": vocab,
+            "fill_us_per_step": med(fill) * us, "fill_us_per_row": med(fill) * us / batch,
+            "sample_masked_us": med(masked) * us, "sample_plain_us": med(plain) * us,
+            "mask_apply_us": (med(masked) - med(plain)) * us,
+            "advance_us_per_row": med(advance) * us / batch,
+            "overhead_us_per_step": (med(fill) + med(masked) - med(plain) + med(advance)) * us}
+
+
+def bench_engine(model: str, device: str, batch: int, warmup: int) -> dict:
+    array = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+             "minItems": ARRAY_ITEMS, "maxItems": ARRAY_ITEMS}
+    constrained = StructuredOutput("json_schema", json.dumps(array))
+    core = EngineCore(EngineConfig(model=model, device=device))
+    try:
+        for _ in range(warmup):  # kernels compiled, graphs captured, the tokenizer wrapped
+            run_batch(core, batch, constrained, 8 * ARRAY_ITEMS)
+            run_batch(core, batch, None, 16)
+        with_mask, tokens = run_batch(core, batch, constrained, 8 * ARRAY_ITEMS)  # ends when the array closes
+        without, _ = run_batch(core, batch, None, tokens)
+    finally:
+        core.close()
+    tpot, plain = statistics.median(with_mask), statistics.median(without)
+    return {"batch": batch, "tokens": tokens, "steps_timed": [len(with_mask), len(without)],
+            "tpot_constrained_s": tpot, "tpot_unconstrained_s": plain, "ratio": tpot / plain}
+
+
+def run_batch(core: EngineCore, batch: int, structured: StructuredOutput | None,
+              max_tokens: int) -> tuple[list[float], int]:
+    """Step B requests to the end: the seconds of each step in which all B decoded a token, and
+    the tokens the first request produced."""
+    for i in range(batch):
+        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, structured=structured)
+        assert core.add_request(GenerateRequest(f"r{i}", (1, 2, 3, 4), params)) is None
+    times, produced = [], 0
+    while core.has_unfinished():
+        decoding = sum(1 for seq in core.scheduler.running if seq.output_ids)
+        started = time.perf_counter()
+        outputs = core.step()
+        elapsed = time.perf_counter() - started
+        if decoding == batch and len(outputs) == batch:
+            times.append(elapsed)
+        produced += sum(len(o.new_token_ids) for o in outputs if o.request_id == "r0")
+    return times, produced
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint dir (tokenizer + engine run)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--steps", type=int, default=200, help="mask steps per batch size")
+    parser.add_argument("--vocab", type=int, default=None, help="logits width (default: the tokenizer's)")
+    parser.add_argument("--synthetic-vocab", type=int, default=None,
+                        help="masks: a BPE of about this many tokens trained on the stdlib instead of --model's")
+    parser.add_argument("--no-engine", action="store_true", help="masks only")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    from transformers import AutoTokenizer
+
+    hf = synthetic_tokenizer(args.synthetic_vocab) if args.synthetic_vocab else \
+        AutoTokenizer.from_pretrained(args.model)
+    vocab = max(args.vocab or 0, len(hf))
+    grammars = Grammars(lambda: hf, vocab)
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch_threads": torch.get_num_threads(), "model": args.model, "tokenizer_vocab": len(hf),
+              "llguidance": llguidance.__version__,
+              "mask": [bench_masks(grammars, b, args.steps, device, vocab) for b in args.batch]}
+    if not args.no_engine:
+        result["engine"] = [bench_engine(args.model, args.device, b, warmup=1) for b in args.batch]
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""What an expert weight format is: how one weight matrix [N, K] (N outputs, K the reduction dim)
+is encoded as bytes, decoded by torch, and decoded inside the Triton expert kernels.
+
+A format knows nothing of experts: ExpertLayout (layout.py) places an expert's matrices and
+their scales in one row of bytes; the store, the cache slots and the copies move rows whatever
+the format; compute.py decodes with `decode`, the kernels with `triton_load`. A format is one
+file in this package plus its line in the registry (__init__.py).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+
+class ExpertFormat(ABC):
+    name: ClassVar[str]  # the --expert-quant value
+    data_dtype: torch.dtype  # element of the packed weights, as the kernels read them
+    scale_dtype: torch.dtype | None = None  # element of the scales; None: the format has none
+
+    @classmethod
+    def for_model(cls, dtype: torch.dtype) -> ExpertFormat:
+        """The format for a model computing in dtype (quantized formats store the same for any)."""
+        return cls()
+
+    def data_cols(self, k: int) -> int:
+        """Elements of data_dtype per encoded row of K weights."""
+        return k
+
+    def scale_cols(self, k: int) -> int:
+        """Scales per encoded row of K weights."""
+        return 0
+
+    @abstractmethod
+    def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """w [..., N, K] (any float dtype) -> data [..., N, data_cols(K)], scales [..., N, scale_cols(K)] or None."""
+
+    @abstractmethod
+    def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """The reference dequantization: [..., N, K] in dtype (a view where nothing needs decoding)."""
+
+    @property
+    @abstractmethod
+    def triton_load(self) -> Any:
+        """A @triton.jit function load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT) -> tile:
+        rows [R] of the matrix at w_ptr (its scales at s_ptr), columns k0 + arange(BLOCK_K) (masked
+        past K), decoded to fp32 or the stored float dtype; [R, BLOCK_K], or [BLOCK_K, R] if TRANSPOSE.
+        EVICT is tl.load's eviction_policy."""
+
+    def describe(self) -> str:
+        return self.name

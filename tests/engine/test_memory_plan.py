@@ -1,0 +1,82 @@
+"""The start-up split of GPU memory: weights, reserves, paged KV cache and expert cache add up within
+--gpu-memory-utilization; fixed parts are kept; what cannot fit is a ConfigError naming the numbers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ConfigError, EngineConfig
+from engine.experts.runner import CachedExpertRunner
+from engine.kv.paged_cache import kv_bytes_per_token
+from engine.loader import load_model, read_config
+from engine.memory_plan import GIB, KV_SHARE, activation_bytes, non_expert_bytes, plan_memory
+from engine.models.config import ModelConfig
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+MODEL = read_config(DEFAULT_MODEL)
+DTYPE = torch.bfloat16
+BLOCK = 16
+ALL_EXPERTS = MODEL.num_moe_layers * MODEL.num_experts * MODEL.expert_layout(DTYPE).nbytes
+
+
+def plan(device_bytes: int | None, max_len: int = 1024, **settings):
+    return plan_memory(EngineConfig(model="m", **settings), MODEL, None, DTYPE, max_len, BLOCK, device_bytes)
+
+
+def fixed_bytes(model: ModelConfig, max_len: int) -> int:
+    return non_expert_bytes(model, DTYPE) + kv_bytes_per_token(model, DTYPE) * max_len + activation_bytes(
+        EngineConfig(model="m"), model, DTYPE)
+
+
+def test_non_expert_weights_are_counted_exactly() -> None:
+    loaded = load_model(DEFAULT_MODEL, "cpu", DTYPE,
+                        runner_factory=lambda store, config: CachedExpertRunner(store, None, top_k=config.top_k))
+    model = loaded.model
+    assert non_expert_bytes(MODEL, DTYPE) == sum(t.numel() * t.element_size()
+                                                 for t in [*model.parameters(), *model.buffers()])
+
+
+def test_everything_resident_when_it_fits() -> None:
+    p = plan(80 * GIB)
+    assert p.expert_budget is None and p.expert_bytes == ALL_EXPERTS
+    assert p.kv_bytes == 64 * (1024 // BLOCK) * BLOCK * kv_bytes_per_token(MODEL, DTYPE)
+    assert p.total_bytes <= p.usable_bytes == int(0.9 * 80 * GIB)
+
+
+def test_experts_that_do_not_fit_leave_the_kv_cache_its_share() -> None:
+    fixed = fixed_bytes(MODEL, 1024)
+    device = int((fixed + ALL_EXPERTS // 2) / 0.9)  # room for about half the experts
+    p = plan(device)
+    left = p.usable_bytes - fixed
+    assert p.expert_bytes == left - p.kv_bytes < ALL_EXPERTS
+    assert p.kv_bytes >= min(int(KV_SHARE * left), 64 * 1024 * kv_bytes_per_token(MODEL, DTYPE))
+    assert p.expert_budget == str(p.expert_bytes)
+
+
+def test_a_fixed_expert_budget_gives_the_rest_to_the_kv_cache() -> None:
+    fixed = fixed_bytes(MODEL, 1024)
+    one_sequence = 1024 * kv_bytes_per_token(MODEL, DTYPE)
+    p = plan(int((fixed + ALL_EXPERTS // 4 + 2 * one_sequence) / 0.9), gpu_expert_budget="25%")
+    assert p.expert_bytes == ALL_EXPERTS // 4
+    assert one_sequence <= p.kv_bytes <= p.usable_bytes - fixed - p.expert_bytes
+
+
+def test_a_fixed_kv_cache_gives_the_rest_to_experts() -> None:
+    p = plan(80 * GIB, kv_cache_memory="8MiB")
+    assert p.kv_bytes == 8 * 2**20 and p.expert_bytes == ALL_EXPERTS
+
+
+def test_too_little_memory_names_the_numbers() -> None:
+    with pytest.raises(ConfigError, match="no GPU memory is left for experts: weights .* GiB"):
+        plan(fixed_bytes(MODEL, 1024) + 2**20, gpu_memory_utilization=1.0)
+    with pytest.raises(ConfigError, match="less than one sequence of max_model_len 1024 needs"):
+        plan(fixed_bytes(MODEL, 1024) + ALL_EXPERTS, gpu_memory_utilization=1.0, gpu_expert_budget="100%")
+
+
+def test_on_the_cpu_utilization_does_not_apply() -> None:
+    p = plan(None, max_len=512, gpu_memory_utilization=0.1)
+    assert p.usable_bytes is None and p.expert_budget is None and p.activation_bytes == 0
+    assert p.kv_bytes == 64 * 512 * kv_bytes_per_token(MODEL, DTYPE)
+    assert "does not apply" in p.describe()

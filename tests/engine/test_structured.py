@@ -1,0 +1,142 @@
+"""Constrained decoding in the engine: every constrained answer parses and validates against its
+schema (or matches its regex / choice) at temperature 0 and 1, batched beside unconstrained rows
+that stay equal to their solo answers; a bad grammar or a broken matcher fails only its own
+request; a constrained sequence never speculates, so --spec changes none of its tokens."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, run_to_completion
+from engine.messages import GenerateRequest, SamplingParams, StructuredOutput
+from engine.structured import GrammarError, Grammars, grammar_text
+from tests.engine.test_batching import run_together, tokens
+from tests.server.tiny_tokenizer import build_tiny_tokenizer
+from tests.tiny_checkpoints import build_tiny_checkpoint
+
+EOS = 2  # the tiny tokenizer's <|im_end|>
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "maxItems": 2, "items": {"enum": ["a", "b"]}}}}
+REGEX = r"[a-c]{2,5}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("structured") / "tiny-moe"
+    build_tiny_checkpoint("mixtral", path)
+    build_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def core(tiny_model: Path):
+    engine = EngineCore(EngineConfig(model=str(tiny_model)))
+    yield engine
+    engine.close()
+
+
+def constrained(request_id: str, structured: StructuredOutput, temperature: float, seed: int = 0,
+                max_tokens: int = 80) -> GenerateRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=(EOS,),
+                            structured=structured)
+    return GenerateRequest(request_id, (1, 40, 41, 42, 2), params)
+
+
+def text(tiny_model: Path, token_ids: list[int]) -> str:
+    return AutoTokenizer.from_pretrained(tiny_model).decode(token_ids, skip_special_tokens=True)
+
+
+def check_valid(structured: StructuredOutput, answer: str) -> None:
+    if structured.kind == "json_schema":
+        jsonschema.validate(json.loads(answer), json.loads(structured.spec))
+    elif structured.kind == "json_object":
+        assert isinstance(json.loads(answer), dict)
+    elif structured.kind == "regex":
+        assert re.fullmatch(structured.spec, answer), answer
+    elif structured.kind == "grammar":
+        assert structured.spec == GRAMMAR and re.fullmatch(GRAMMAR_AS_REGEX, answer), answer
+    else:
+        assert answer in json.loads(structured.spec)
+
+
+GRAMMAR, GRAMMAR_AS_REGEX = 'start: "x" ("y" | "z")+ "!"', r"x[yz]+!"
+STRUCTURED = [StructuredOutput("json_schema", json.dumps(SCHEMA)), StructuredOutput("regex", REGEX),
+              StructuredOutput("choice", json.dumps(CHOICES)), StructuredOutput("grammar", GRAMMAR)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_rows_validate_and_unconstrained_rows_equal_solo(core: EngineCore, tiny_model: Path,
+                                                                     temperature: float) -> None:
+    free = [GenerateRequest(f"free{i}", (1, 50 + i, 60, 70), SamplingParams(max_tokens=10, temperature=t, seed=i))
+            for i, t in enumerate((0.0, 1.0, 0.7))]
+    bound = [constrained(f"c{i}", s, temperature, seed=i) for i, s in enumerate(STRUCTURED)]
+    reqs = [free[0], *bound[:2], free[1], *bound[2:], free[2]]
+    together = run_together(core, reqs)
+    for request in reqs:
+        outs = together[request.request_id]
+        assert not any(o.error for o in outs), outs[-1].error
+        assert tokens(outs) == run_to_completion(core, request).token_ids, request.request_id  # batched == solo
+        structured = request.params.structured
+        if structured is not None:
+            assert outs[-1].finish_reason == "stop"
+            check_valid(structured, text(tiny_model, tokens(outs)))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_any_json_object(core: EngineCore, tiny_model: Path, temperature: float) -> None:
+    structured = StructuredOutput("json_object", "")  # keys and values of any length: room to close
+    done = run_to_completion(core, constrained("obj", structured, temperature, max_tokens=200))
+    assert done.finish_reason == "stop"
+    check_valid(structured, text(tiny_model, done.token_ids))
+
+
+def test_bad_grammar_and_broken_matcher_fail_only_their_request(core: EngineCore, tiny_model: Path) -> None:
+    rejected = core.add_request(constrained("bad", StructuredOutput("regex", "a(b"), 0.0))
+    assert rejected is not None and rejected.finish_reason == "error" and "regex" in rejected.error
+    good = constrained("good", StructuredOutput("regex", REGEX), 1.0, seed=5)
+    broken = constrained("broken", StructuredOutput("choice", json.dumps(CHOICES)), 0.0)
+    free = GenerateRequest("free", (1, 9, 8), SamplingParams(max_tokens=6, temperature=0))
+    for request in (good, broken, free):
+        assert core.add_request(request) is None
+    [hash_sign] = AutoTokenizer.from_pretrained(tiny_model).encode("#", add_special_tokens=False)
+    core.scheduler.find("broken").grammar.matcher.consume_token(hash_sign)  # no choice starts with it
+    outputs: dict[str, list] = {"good": [], "broken": [], "free": []}
+    while core.has_unfinished():
+        for out in core.step():
+            outputs[out.request_id].append(out)
+    assert outputs["broken"][-1].finish_reason == "error" and "constrained decoding" in outputs["broken"][-1].error
+    for request in (good, free):
+        assert not outputs[request.request_id][-1].error
+        assert tokens(outputs[request.request_id]) == run_to_completion(core, request).token_ids
+
+
+def test_constrained_sequence_does_not_speculate(tiny_model: Path, core: EngineCore) -> None:
+    request = constrained("spec", StructuredOutput("json_schema", json.dumps(SCHEMA)), 0.0)
+    spec = EngineCore(EngineConfig(model=str(tiny_model), spec="self", spec_tokens=4))
+    try:
+        assert run_to_completion(spec, request).token_ids == run_to_completion(core, request).token_ids
+        assert spec.runtime.spec_stats.drafts == 0
+    finally:
+        spec.close()
+
+
+def test_grammars_name_what_does_not_compile(tiny_model: Path) -> None:
+    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+    grammars.check(StructuredOutput("json_schema", json.dumps(SCHEMA)))
+    for structured, words in [(StructuredOutput("json_schema", '{"type": "objekt"}'), "objekt"),
+                              (StructuredOutput("json_schema", "{not json"), "line 1 column 2"),
+                              (StructuredOutput("regex", "[a-"), "regex"),
+                              (StructuredOutput("grammar", "start: missing_rule"), "missing_rule"),
+                              (StructuredOutput("choice", "[]"), "choice")]:
+        with pytest.raises(GrammarError, match=words):
+            grammars.check(structured)
+    with pytest.raises(GrammarError):
+        grammar_text(StructuredOutput("choice", '["a", 1]'))

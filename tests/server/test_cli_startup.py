@@ -1,0 +1,63 @@
+"""moe-serve start-up failures: each is one line on stderr and a non-zero exit, never a traceback,
+and each is found before any weights load (the port included)."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli_runs import REPO, assert_one_line_failure, model_without_tokenizer, run_cli, unsupported_model
+
+PRESET = REPO / "configs" / "qwen3-30b-a3b-16gb.yaml"
+
+
+def test_missing_folder() -> None:
+    assert_one_line_failure(run_cli("moe-serve", "/no/such/model"), "moe-serve", "/no/such/model", "no such folder")
+
+
+def test_hub_id_is_refused_with_how_to_download() -> None:
+    result = run_cli("moe-serve", "Qwen/Qwen3-30B-A3B")
+    assert_one_line_failure(result, "moe-serve", "download it first", "hf download Qwen/Qwen3-30B-A3B --local-dir")
+
+
+def test_empty_folder(tmp_path: Path) -> None:
+    assert_one_line_failure(run_cli("moe-serve", "--model", str(tmp_path)), "moe-serve", "is empty")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    result = run_cli("moe-serve", str(unsupported_model(tmp_path / "gpt2")))
+    assert_one_line_failure(result, "moe-serve", "GPT2LMHeadModel", "supported: ")
+
+
+def test_no_tokenizer_files(tmp_path: Path) -> None:
+    result = run_cli("moe-serve", str(model_without_tokenizer(tmp_path / "bare")))
+    assert_one_line_failure(result, "moe-serve", "no tokenizer files", "--tokenizer")
+
+
+def test_port_in_use_is_found_before_loading() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = run_cli("moe-serve", "--port", str(port))
+    assert_one_line_failure(result, "moe-serve", f"port {port}", "already in use")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_but_absent() -> None:
+    assert_one_line_failure(run_cli("moe-serve", "--device", "cuda"), "moe-serve", "--device cuda", "--device cpu")
+
+
+def test_preset_without_its_model() -> None:
+    result = run_cli("moe-serve", "--config", str(PRESET))
+    assert_one_line_failure(result, "moe-serve", "names no model", "moe-serve DIR --config")
+
+
+def test_max_model_len_beyond_the_model() -> None:
+    result = run_cli("moe-serve", "--max-model-len", "4096")
+    assert_one_line_failure(result, "moe-serve", "4096", "1024")
+
+
+def test_model_from_the_environment_is_checked_too() -> None:
+    result = run_cli("moe-serve", env={"MOE_ARG_MODEL": "/no/such/env-model"})
+    assert_one_line_failure(result, "moe-serve", "/no/such/env-model")
