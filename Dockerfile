@@ -13,7 +13,7 @@
 #
 #   docker build -t moe-serve .
 #   docker run --gpus all -p 8000:8000 -v /models:/models:ro moe-serve \
-#       --config configs/olmoe-1b-7b-8gb.yaml --model /models/OLMoE-1B-7B-0924-Instruct
+#       --config olmoe-1b-7b-8gb --model /models/OLMoE-1B-7B-0924-Instruct
 #
 # CPU only (no GPU on the host): build on a plain Python base and install the README's CPU build
 # of torch (2.13.0, what CI tests) before the project, so pip does not pull the CUDA wheels:
@@ -34,13 +34,10 @@ WORKDIR /app
 RUN if [ "$TORCH_CPU" = "1" ]; then pip install "torch==2.13.0" --index-url "$TORCH_CPU_INDEX"; fi
 
 COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY server ./server
-COPY configs ./configs
-# The project's own default model (moe-serve's --model default resolves to /app/models/default).
-COPY models ./models
-# Editable, so the package finds models/ and configs/ next to itself.
-RUN pip install -e . && chown -R moe:moe /app
+# One package: the server, the engine, the default model and its draft, the presets (package data,
+# so a bare `moe-serve` serves the default model and `--config NAME` finds a preset).
+COPY moe_serve ./moe_serve
+RUN pip install . && chown -R moe:moe /app
 
 USER moe
 EXPOSE 8000

@@ -38,13 +38,13 @@ from bench.checkpoints import expanded_default  # noqa: E402
 from bench.floor import floor_seconds, measure_bandwidths, step_bytes  # noqa: E402
 from bench.prompts import heldout_prompts  # noqa: E402
 from bench.rows import seeded_prompts  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.decode import PlainDecoder  # noqa: E402
-from engine.messages import GenerateRequest, SamplingParams  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.core import EngineCore  # noqa: E402
+from moe_serve.engine.decode import PlainDecoder  # noqa: E402
+from moe_serve.engine.messages import GenerateRequest, SamplingParams  # noqa: E402
+from moe_serve.engine.sequence import Sequence  # noqa: E402
 
-DEFAULT_MODEL = REPO / "models" / "default"
+DEFAULT_MODEL = REPO / "moe_serve" / "models" / "default"
 
 
 def batch_decode(core: EngineCore, prompts: list[list[int]], tokens: int, tag: str) -> dict:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.budget if args.table == "mixtral" else None
     config = EngineConfig(model=str(model_dir), device=str(device), gpu_expert_budget=budget, cache_policy=args.policy,
                           cpu_experts=args.cpu_experts, spec=args.spec, spec_tokens=args.spec_tokens,
-                          draft=str(REPO / "models" / "default-draft") if args.spec == "draft" else None,
+                          draft=str(REPO / "moe_serve" / "models" / "default-draft") if args.spec == "draft" else None,
                           max_model_len=args.prompt_len + args.tokens + 16)
     try:
         prompts = heldout_prompts(DEFAULT_MODEL, max(args.batches), args.prompt_len)

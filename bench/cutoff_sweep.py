@@ -6,7 +6,7 @@
 SP-MoE (Fig. 14) finds TPOT U-shaped in the cutoff: too few prefetched layers leave misses to
 the verify pass, too many push copies past the draft phase and evict experts the verify needs.
 The sweep says whether this model shows that, and whether the automatic choice (profiled at
-start-up, engine/speculative/cutoff.py) is within 10% of the best. Writes cutoff_sweep.json/.md/.png.
+start-up, moe_serve/engine/speculative/cutoff.py) is within 10% of the best. Writes cutoff_sweep.json/.md/.png.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from bench.baselines import free_device  # noqa: E402
 from bench.floor import measure_bandwidths, step_bytes  # noqa: E402
 from bench.report import write_outputs  # noqa: E402
 from bench.rows import RowResult, failed_row, guarded, time_engine_decode  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.loader import read_config, resolve_dtype  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.loader import read_config, resolve_dtype  # noqa: E402
 
 class ChosenCutoff(logging.Handler):
     """The cutoff the engine chose at start-up, read from the spec builder's one log line."""
@@ -48,7 +48,7 @@ class ChosenCutoff(logging.Handler):
 @contextmanager
 def chosen_cutoff() -> Iterator[ChosenCutoff]:
     """The SP-MoE cutoff an engine built inside chooses (None if it chose none)."""
-    chosen, log = ChosenCutoff(), logging.getLogger("engine.speculative.builder")
+    chosen, log = ChosenCutoff(), logging.getLogger("moe_serve.engine.speculative.builder")
     level = log.level
     log.addHandler(chosen)
     log.setLevel(logging.INFO)
@@ -86,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny experts, for CPU checks")
     parser.add_argument("--table", default="default-mixtral", choices=list(suite.EXPERT_MB))
     parser.add_argument("--work-dir", default="/tmp/bench_models")
-    parser.add_argument("--default-model", default=str(suite.REPO / "models" / "default"))
-    parser.add_argument("--draft", default=str(suite.REPO / "models" / "default-draft"))
+    parser.add_argument("--default-model", default=str(suite.REPO / "moe_serve" / "models" / "default"))
+    parser.add_argument("--draft", default=str(suite.REPO / "moe_serve" / "models" / "default-draft"))
     parser.add_argument("--budget", default="25%")
     parser.add_argument("--cache-policy", default=EngineConfig.cache_policy)
     parser.add_argument("--spec-tokens", type=int, default=EngineConfig.spec_tokens, help="gamma")

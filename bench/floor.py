@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.loader import checkpoint_files, read_config
-from engine.timing import median_seconds
+from moe_serve.engine.loader import checkpoint_files, read_config
+from moe_serve.engine.timing import median_seconds
 
 ROUTED_EXPERT = re.compile(r"\.experts\.")  # per-expert (experts.N.w1) and fused (experts.gate_up_proj); not shared_expert
 INPUT_EMBEDDING = re.compile(r"embed_tokens\.weight$")

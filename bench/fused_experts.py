@@ -23,9 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.experts.compute import gathered_experts_torch  # noqa: E402
-from engine.experts.fused_experts import FusedConfig, default_config, fused_experts  # noqa: E402
-from engine.experts.layout import ExpertLayout  # noqa: E402
+from moe_serve.engine.experts.compute import gathered_experts_torch  # noqa: E402
+from moe_serve.engine.experts.fused_experts import FusedConfig, default_config, fused_experts  # noqa: E402
+from moe_serve.engine.experts.layout import ExpertLayout  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,10 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.fused_experts import SHAPES, Shape, copy_gbps, graph_ms_per_call  # noqa: E402
-from engine.experts.compute import gathered_experts_torch  # noqa: E402
-from engine.experts.fused_experts import fused_experts  # noqa: E402
-from engine.experts.grouped_experts import GroupedConfig, block_layout, default_config, grouped_experts  # noqa: E402
-from engine.experts.layout import ExpertLayout  # noqa: E402
+from moe_serve.engine.experts.compute import gathered_experts_torch  # noqa: E402
+from moe_serve.engine.experts.fused_experts import fused_experts  # noqa: E402
+from moe_serve.engine.experts.grouped_experts import GroupedConfig, block_layout, default_config, grouped_experts  # noqa: E402
+from moe_serve.engine.experts.layout import ExpertLayout  # noqa: E402
 
 SWEEP = {  # field overrides of GroupedConfig, one kernel's at a time
     "block_m": [{"block_m": 32}, {"block_m": 64}],

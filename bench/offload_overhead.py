@@ -11,7 +11,7 @@ first on PYTHONPATH (this script then imports `engine` from there):
 The checkpoint is bench/olmoe_shape.py's (random weights, built once on the GPU); with --expert-mb
 it is the trained default model widened to experts of that size (bench/checkpoints.py), so 352
 is the default-mixtral table's model. `prefill` times TTFT with prefill streaming
-(engine/experts/streaming.py) off and on in one engine, against the PCIe floor of each prefill.
+(moe_serve/engine/experts/streaming.py) off and on in one engine, against the PCIe floor of each prefill.
 """
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))  # appended: a PYTH
 
 import torch
 
-import engine  # before bench.olmoe_shape, which puts this tree first on sys.path
+import moe_serve.engine as engine  # before bench.olmoe_shape, which puts this tree first on sys.path
 from bench.floor import Bandwidths, measure_bandwidths
 from bench.olmoe_shape import OLMOE_SHAPE, build_checkpoint
 from bench.rows import guarded, seeded_prompts, time_engine_decode
-from engine.config import EngineConfig
-from engine.loader import read_config
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.loader import read_config
 
 
 def _config(args: argparse.Namespace, row: str) -> EngineConfig:
@@ -63,8 +63,8 @@ def rows(args: argparse.Namespace) -> None:
 
 def profile(args: argparse.Namespace) -> None:
     """cProfile of the host and the GPU's busy time over a few offloaded one-token steps."""
-    from engine.core import EngineCore, run_to_completion
-    from engine.messages import GenerateRequest, SamplingParams
+    from moe_serve.engine.core import EngineCore, run_to_completion
+    from moe_serve.engine.messages import GenerateRequest, SamplingParams
 
     build_checkpoint(Path(args.checkpoint), OLMOE_SHAPE)
     prompt = tuple(seeded_prompts(read_config(args.checkpoint).vocab_size, 1, args.prompt_len)[0])
@@ -102,7 +102,7 @@ def ops(args: argparse.Namespace) -> None:
     decode forward under the profiler, aten ops grouped by the innermost engine frame and shapes."""
     from collections import Counter
 
-    from engine.runtime import build_runtime
+    from moe_serve.engine.runtime import build_runtime
 
     build_checkpoint(Path(args.checkpoint), OLMOE_SHAPE)
     runtime = build_runtime(_config(args, args.rows.split(",")[0]))
@@ -129,8 +129,8 @@ def prefill(args: argparse.Namespace) -> None:
     prompt just filled. Each prefill's floor is the expert bytes it copied over the pinned
     host->device bandwidth measured in this call; streaming works when its TTFT nears its floor.
     The engine's prefetch mode is the first of --rows (default none: the on-demand LRU row)."""
-    from engine.core import EngineCore, run_to_completion
-    from engine.messages import GenerateRequest, SamplingParams
+    from moe_serve.engine.core import EngineCore, run_to_completion
+    from moe_serve.engine.messages import GenerateRequest, SamplingParams
 
     path = _checkpoint(args)
     prompts = seeded_prompts(read_config(str(path)).vocab_size, 2 * args.prompts + 2, args.prompt_len)
@@ -176,7 +176,7 @@ def _checkpoint(args: argparse.Namespace) -> Path:
     from bench.checkpoints import expanded_default
 
     root = Path(__file__).resolve().parent.parent
-    return Path(expanded_default(root / "models" / "default", Path(f"/tmp/default-{args.expert_mb:g}mb"),
+    return Path(expanded_default(root / "moe_serve" / "models" / "default", Path(f"/tmp/default-{args.expert_mb:g}mb"),
                                  args.expert_mb)["dst"])
 
 

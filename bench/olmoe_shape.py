@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.rows import guarded, seeded_prompts, time_engine_decode, time_hf_decode  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
 
 OLMOE_SHAPE = dict(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                    num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,

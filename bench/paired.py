@@ -36,9 +36,9 @@ from bench.cutoff_sweep import chosen_cutoff  # noqa: E402
 from bench.floor import measure_bandwidths, step_bytes  # noqa: E402
 from bench.report import write_outputs  # noqa: E402
 from bench.rows import Generation, RowResult, engine_extra, engine_generate, summary  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.loader import resolve_dtype  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.core import EngineCore  # noqa: E402
+from moe_serve.engine.loader import resolve_dtype  # noqa: E402
 
 BOOTSTRAP_RESAMPLES = 2000
 
@@ -126,8 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny experts, for CPU checks")
     parser.add_argument("--work-dir", default="/tmp/bench_models")
-    parser.add_argument("--default-model", default=str(suite.REPO / "models" / "default"))
-    parser.add_argument("--draft", default=str(suite.REPO / "models" / "default-draft"))
+    parser.add_argument("--default-model", default=str(suite.REPO / "moe_serve" / "models" / "default"))
+    parser.add_argument("--draft", default=str(suite.REPO / "moe_serve" / "models" / "default-draft"))
     parser.add_argument("--spec-tokens", type=int, default=EngineConfig.spec_tokens, help="gamma")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3, help="times each prompt is decoded by every arm")

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.prompts import heldout_prompts  # noqa: E402
 from bench.rows import engine_generate  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.core import EngineCore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,8 +45,8 @@ def counters(config: EngineConfig, prompts: list[list[int]], tokens: int) -> dic
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file")
-    parser.add_argument("--model", default=str(REPO / "models" / "default"))
-    parser.add_argument("--draft", default=str(REPO / "models" / "default-draft"))
+    parser.add_argument("--model", default=str(REPO / "moe_serve" / "models" / "default"))
+    parser.add_argument("--draft", default=str(REPO / "moe_serve" / "models" / "default-draft"))
     parser.add_argument("--budgets", type=lambda s: s.split(","), default=["25%", "50%"])
     parser.add_argument("--policies", type=lambda s: s.split(","), default=["lru", "mrs"])
     parser.add_argument("--cutoffs", type=lambda s: [int(c) for c in s.split(",")], default=[0, 2])

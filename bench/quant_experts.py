@@ -26,11 +26,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.fused_experts import SHAPES, Shape, copy_gbps, graph_ms_per_call  # noqa: E402
-from engine.experts.compute import accumulate_experts, gathered_experts  # noqa: E402
-from engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
-from engine.experts.fused_experts import fused_experts  # noqa: E402
-from engine.experts.grouped_experts import grouped_experts  # noqa: E402
-from engine.experts.layout import ExpertLayout  # noqa: E402
+from moe_serve.engine.experts.compute import accumulate_experts, gathered_experts  # noqa: E402
+from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
+from moe_serve.engine.experts.fused_experts import fused_experts  # noqa: E402
+from moe_serve.engine.experts.grouped_experts import grouped_experts  # noqa: E402
+from moe_serve.engine.experts.layout import ExpertLayout  # noqa: E402
 
 PATHS = {"fused": fused_experts, "grouped": grouped_experts, "dispatch": gathered_experts}
 

@@ -4,8 +4,8 @@
     python bench/routing_replay.py --model /tmp/smoke/default --prompts 2 --tokens 8 --out /tmp/replay
 
 Greedy-decodes held-out stdlib prompts through the engine with a RoutingRecorder on the expert
-runner (engine/trace.py), then replays the trace through the cache's own SlotTable and policies
-(engine/replay.py): LRU, LFU and MRS, with and without the next-layer predictor, at 2, 4 and 6
+runner (moe_serve/engine/trace.py), then replays the trace through the cache's own SlotTable and policies
+(moe_serve/engine/replay.py): LRU, LFU and MRS, with and without the next-layer predictor, at 2, 4 and 6
 expert slots per MoE layer. Writes routing_replay.json and routing_replay.md.
 
 A second table asks what speculative decoding can save in expert copies at all: the decode
@@ -25,15 +25,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.prompts import heldout_prompts  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.decode import BoundModel, PlainDecoder  # noqa: E402
-from engine.experts.runner import CachedExpertRunner  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
-from engine.loader import load_model, read_config  # noqa: E402
-from engine.messages import GenerateRequest, SamplingParams  # noqa: E402
-from engine.replay import PREDICTORS, REPLAY_POLICIES, Result, load_trace, replay  # noqa: E402
-from engine.sequence import Sequence  # noqa: E402
-from engine.trace import RoutingRecorder  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.decode import BoundModel, PlainDecoder  # noqa: E402
+from moe_serve.engine.experts.runner import CachedExpertRunner  # noqa: E402
+from moe_serve.engine.kv_cache import KVCache  # noqa: E402
+from moe_serve.engine.loader import load_model, read_config  # noqa: E402
+from moe_serve.engine.messages import GenerateRequest, SamplingParams  # noqa: E402
+from moe_serve.engine.replay import PREDICTORS, REPLAY_POLICIES, Result, load_trace, replay  # noqa: E402
+from moe_serve.engine.sequence import Sequence  # noqa: E402
+from moe_serve.engine.trace import RoutingRecorder  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(REPO / "models" / "default"))
+    parser.add_argument("--model", default=str(REPO / "moe_serve" / "models" / "default"))
     parser.add_argument("--out", required=True)
     parser.add_argument("--trace", default="/tmp/default_routing.jsonl", help="where the JSONL trace goes")
     parser.add_argument("--prompts", type=int, default=8)
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{len(trace.runs)} layer runs (prefills and decode steps)",
                   "prompts: {} tokens a third into held-out stdlib files; greedy; the cache state carries over "
                   "between prompts".format(args.prompt_len),
-                  "replay counts prefills too; a prefetch lands at once (engine/replay.py), so predictor rows are an "
+                  "replay counts prefills too; a prefetch lands at once (moe_serve/engine/replay.py), so predictor rows are an "
                   "upper bound for the live prefetcher"],
         "rows": [as_row(r, trace.num_layers) for r in results],
         "verify_rows": verify_rows(Path(args.trace), args.verify_tokens, args.slots_per_layer)}

@@ -121,7 +121,7 @@ class Generation:
 
 
 def engine_generate(core, request_id: str, prompt: list[int], new_tokens: int) -> Generation:
-    from engine.messages import GenerateRequest, SamplingParams
+    from moe_serve.engine.messages import GenerateRequest, SamplingParams
 
     core.add_request(GenerateRequest(request_id, tuple(prompt), SamplingParams(max_tokens=new_tokens, temperature=0.0)))
     ttft = first_at = None
@@ -167,7 +167,7 @@ def engine_extra(stats: list[dict], decoded: int) -> dict:
 def time_engine_decode(name: str, config, prompts: list[list[int]], new_tokens: int, *,
                        warmup_tokens: int | None = None, deadline: float | None = None) -> RowResult:
     """Greedy decode through our EngineCore; stats come from the engine's own counters."""
-    from engine.core import EngineCore
+    from moe_serve.engine.core import EngineCore
 
     started = time.perf_counter()
     core = EngineCore(config)

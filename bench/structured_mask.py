@@ -27,13 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig  # noqa: E402
-from engine.core import EngineCore  # noqa: E402
-from engine.messages import GenerateRequest, SamplingParams, StructuredOutput  # noqa: E402
-from engine.sampler import SamplingBatch, SamplingRow, sample  # noqa: E402
-from engine.structured import Grammars, MaskFiller  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.core import EngineCore  # noqa: E402
+from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput  # noqa: E402
+from moe_serve.engine.sampler import SamplingBatch, SamplingRow, sample  # noqa: E402
+from moe_serve.engine.structured import Grammars, MaskFiller  # noqa: E402
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "default"
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "moe_serve" / "models" / "default"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "score", "active"],
           "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},

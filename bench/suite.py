@@ -34,8 +34,8 @@ from bench.olmoe_shape import OLMOE_SHAPE  # noqa: E402
 from bench.prompts import heldout_prompts  # noqa: E402
 from bench.report import write_outputs  # noqa: E402
 from bench.rows import RowResult, failed_row, guarded, seeded_prompts, time_engine_decode  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.loader import resolve_dtype  # noqa: E402
+from moe_serve.engine.config import EngineConfig  # noqa: E402
+from moe_serve.engine.loader import resolve_dtype  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERT_MB = {"default-olmoe": 12.6, "default-mixtral": 352.0}  # OLMoE's and Mixtral's bf16 experts
@@ -199,8 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny OLMoE shape / tiny experts, for CPU checks")
     parser.add_argument("--work-dir", default="/tmp/bench_models", help="where built checkpoints go")
-    parser.add_argument("--default-model", default=str(REPO / "models" / "default"))
-    parser.add_argument("--draft", default=str(REPO / "models" / "default-draft"))
+    parser.add_argument("--default-model", default=str(REPO / "moe_serve" / "models" / "default"))
+    parser.add_argument("--draft", default=str(REPO / "moe_serve" / "models" / "default-draft"))
     parser.add_argument("--budgets", type=lambda s: s.split(","), default=None,
                         help="expert budgets, e.g. 25%%,50%% (default: 3GiB for olmoe-shape, else 25%%,50%%)")
     parser.add_argument("--prompts", type=int, default=8)

@@ -1,6 +1,6 @@
 """Load test for moe-serve: closed-loop streaming clients on the async OpenAI SDK, every answer verified.
 
-    python -m loadtest.run --spawn --model models/default --concurrency 1,8,64 --requests 200 --out r.json
+    python -m loadtest.run --spawn --model moe_serve/models/default --concurrency 1,8,64 --requests 200 --out r.json
     python -m loadtest.run --base-url http://127.0.0.1:8000 --concurrency 64 --duration 600 --server-pid PID
 
 Flow: seeded prompts -> one non-streamed greedy reference per prompt, fetched one at a time ->
@@ -103,7 +103,7 @@ class Token:
     """One generated token as its logprobs entry names it, with the entry's top alternatives.
 
     Compared by the `token` string, not `bytes`: this server derives `bytes` from that string
-    (server/responses.py), so they say the same, and `bytes` may be null in OpenAI's schema.
+    (moe_serve/server/responses.py), so they say the same, and `bytes` may be null in OpenAI's schema.
     Neither tells apart two tokens that are both a split UTF-8 character (both read U+FFFD).
     """
 
@@ -585,12 +585,12 @@ def free_port() -> int:
 
 
 class SpawnedServer:
-    """`python -m server --model M --port FREE ...`, the project's own start command, logging to a file."""
+    """`python -m moe_serve.server --model M --port FREE ...`, the project's own start command, logging to a file."""
 
     def __init__(self, model: str, server_args: list[str], log_path: Path, start_timeout: float = 300) -> None:
         self.base_url = f"http://127.0.0.1:{free_port()}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "server", "--model", model, "--port", self.base_url.rsplit(":", 1)[1],
+        cmd = [sys.executable, "-m", "moe_serve.server", "--model", model, "--port", self.base_url.rsplit(":", 1)[1],
                *server_args]
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
@@ -711,8 +711,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--base-url", help="a running server, e.g. http://127.0.0.1:8000")
-    where.add_argument("--spawn", action="store_true", help="start `python -m server` on a free port")
-    p.add_argument("--model", default=str(REPO / "models" / "default"), help="checkpoint for --spawn")
+    where.add_argument("--spawn", action="store_true", help="start `python -m moe_serve.server` on a free port")
+    p.add_argument("--model", default=str(REPO / "moe_serve" / "models" / "default"), help="checkpoint for --spawn")
     p.add_argument("--server-args", default="", help="more moe-serve flags for --spawn, one string")
     p.add_argument("--server-log", default=None, help="--spawn: where the server's log goes")
     p.add_argument("--server-pid", type=int, default=None, help="with --base-url: sample this process tree")

@@ -9,8 +9,8 @@ a benchmark-scale model of the trained default target (hidden size stays the tra
 Streams tensor by tensor into sharded safetensors; generated where a benchmark needs it,
 never committed.
 
-  python scripts/expand_experts.py --src models/default --dst /tmp/default-olmoe --expert-mb 12.6
-  python scripts/expand_experts.py --src models/default --dst /tmp/default-mixtral --expert-mb 352
+  python scripts/expand_experts.py --src moe_serve/models/default --dst /tmp/default-olmoe --expert-mb 12.6
+  python scripts/expand_experts.py --src moe_serve/models/default --dst /tmp/default-mixtral --expert-mb 352
 """
 
 from __future__ import annotations

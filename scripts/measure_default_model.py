@@ -15,7 +15,7 @@ Figures (all with transformers' own classes, fp32, CPU by default):
                         (the target on the top-1 of its top-k experts, renormalised) and for the
                         external dense draft.
 
-  python scripts/measure_default_model.py [--out models/default/measurements.json]
+  python scripts/measure_default_model.py [--out moe_serve/models/default/measurements.json]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Three phases, one seed:
               noisy copy of the draft's MLP, router small-random), then trained on with a
               per-layer load-balancing loss and dropout inside the experts.  On the stdlib
               alone (7.8M tokens) this target memorised and ended worse than its draft; with
-              the package sources the corpus is several times larger (models/default/README.md);
+              the package sources the corpus is several times larger (moe_serve/models/default/README.md);
   3. distill: the draft takes the target's shared parts (embeddings, attention, norms) and is
               distilled towards it (logits KL plus cosine distance of every post-attention
               residual), so it agrees with the target's greedy tokens and, through its
@@ -55,8 +55,8 @@ import package_corpus  # noqa: E402  (sibling scripts, not a package)
 import stdlib_corpus as corpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-TARGET_DIR = REPO / "models" / "default"
-DRAFT_DIR = REPO / "models" / "default-draft"
+TARGET_DIR = REPO / "moe_serve" / "models" / "default"
+DRAFT_DIR = REPO / "moe_serve" / "models" / "default-draft"
 WORK_DIR = REPO / ".out" / "default-model"  # ignored by git; carried to the GPU machine
 CORPUS_PATH = WORK_DIR / "stdlib-corpus.jsonl.xz"  # built by `prepare` from CPython 3.11.7
 PACKAGES_CORPUS_PATH = WORK_DIR / "packages-corpus.jsonl.xz"  # training text only, also `prepare`

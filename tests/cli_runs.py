@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "models" / "default"
-MODULES = {"moe-serve": "server", "moe-generate": "engine.cli"}
+DEFAULT_MODEL = REPO / "moe_serve" / "models" / "default"
+MODULES = {"moe-serve": "moe_serve.server", "moe-generate": "moe_serve.engine.cli"}
 
 
 def run_cli(program: str, *args: str, env: dict[str, str] | None = None,

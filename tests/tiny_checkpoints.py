@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.experts.compute import accumulate_experts
-from engine.experts.routing import LayerRouting
-from engine.experts.store import ExpertStore
-from engine.models.config import ModelConfig
+from moe_serve.engine.experts.compute import accumulate_experts
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.experts.store import ExpertStore
+from moe_serve.engine.models.config import ModelConfig
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

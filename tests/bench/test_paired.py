@@ -9,7 +9,7 @@ import pytest
 
 from bench import paired, suite
 from bench.rows import seeded_prompts
-from engine.config import EngineConfig
+from moe_serve.engine.config import EngineConfig
 
 
 def test_sign_test_matches_the_binomial_tails() -> None:

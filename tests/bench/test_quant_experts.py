@@ -7,8 +7,8 @@ import torch
 
 from bench.fused_experts import Shape
 from bench.quant_experts import Problem, encoded_slots, fp32_reference
-from engine.experts.compute import gathered_experts_torch
-from engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.compute import gathered_experts_torch
+from moe_serve.engine.experts.layout import ExpertLayout
 
 SHAPE = Shape("tiny", hidden=32, intermediate=24, experts=4, top_k=2, layers=1)
 

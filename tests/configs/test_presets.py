@@ -1,4 +1,4 @@
-"""Every preset in configs/ parses as moe-serve flags (unknown keys would be an error)."""
+"""Every preset in moe_serve/configs/ parses as moe-serve flags (unknown keys would be an error)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.cli import engine_config_from_args
-from engine.config import parse_budget
-from server.cli import build_parser, parse_args
+from moe_serve.engine.cli import engine_config_from_args
+from moe_serve.engine.config import parse_budget
+from moe_serve.server.cli import build_parser, parse_args
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "moe_serve" / "configs"
 PRESETS = sorted(p for p in CONFIGS.glob("*.yaml") if p.name != "prometheus.yml")
 EXPECTED = {"mixtral-8x7b-24gb.yaml", "qwen3-30b-a3b-16gb.yaml", "qwen1.5-moe-a2.7b-16gb.yaml", "olmoe-1b-7b-8gb.yaml"}
 

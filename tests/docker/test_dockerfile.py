@@ -72,12 +72,12 @@ def test_every_copied_path_exists_and_reaches_the_build_context() -> None:
         assert kept, folder
         left_out = [str(f.relative_to(REPO)) for f in kept if ignored(str(f.relative_to(REPO)))]
         assert not left_out, left_out
-    assert (REPO / "models" / "default" / "config.json").is_file() and "models" in sources
+    assert (REPO / "moe_serve" / "models" / "default" / "config.json").is_file() and "moe_serve" in sources
 
 
 def test_the_build_context_leaves_out_what_the_image_does_not_need() -> None:
     for path in (".git", ".out", ".whl", ".hypothesis", "tests", "bench/results", "loadtest",
-                 "moe_serve.egg-info", "server/__pycache__/app.cpython-311.pyc"):
+                 "moe_serve.egg-info", "moe_serve/server/__pycache__/app.cpython-311.pyc"):
         assert ignored(path), path
 
 

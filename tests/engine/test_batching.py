@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore, run_to_completion
-from engine.kv.paged_cache import kv_bytes_per_token
-from engine.loader import read_config
-from engine.speculative.switch import SpecSwitch
-from engine.messages import GenerateRequest, RequestOutput, SamplingParams
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.core import EngineCore, run_to_completion
+from moe_serve.engine.kv.paged_cache import kv_bytes_per_token
+from moe_serve.engine.loader import read_config
+from moe_serve.engine.speculative.switch import SpecSwitch
+from moe_serve.engine.messages import GenerateRequest, RequestOutput, SamplingParams
 from tests.tiny_checkpoints import DENSE_FAMILIES, MOE_FAMILIES, build_tiny_checkpoint
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cli import _parse_args
+from moe_serve.engine.cli import _parse_args
 from tests.cli_runs import assert_one_line_failure, model_without_tokenizer, run_cli, unsupported_model
 
 

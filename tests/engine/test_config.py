@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import ConfigError, model_context_length, resolve_max_model_len
-from engine.models.config import ModelConfig
+from moe_serve.engine.config import ConfigError, model_context_length, resolve_max_model_len
+from moe_serve.engine.models.config import ModelConfig
 
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1,
         "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 4096}

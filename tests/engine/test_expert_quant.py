@@ -22,11 +22,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from engine.cli import DEFAULT_MODEL
-from engine.config import EngineConfig
-from engine.core import EngineCore, run_to_completion
-from engine.experts.formats import expert_format
-from engine.messages import GenerateRequest, SamplingParams
+from moe_serve.engine.cli import DEFAULT_MODEL
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.core import EngineCore, run_to_completion
+from moe_serve.engine.experts.formats import expert_format
+from moe_serve.engine.messages import GenerateRequest, SamplingParams
 from tests.tiny_checkpoints import build_tiny_checkpoint
 
 PROMPT = (3, 17, 42, 5, 99, 7, 12, 64)
@@ -114,9 +114,9 @@ def test_default_model_logits_stay_close(quant, max_rel, min_agree):
 
 
 def test_flag_reaches_the_engine_config_from_both_commands_and_yaml(tmp_path):
-    from engine.cli import _parse_args as generate_args  # moe-generate
-    from engine.cli import engine_config_from_args
-    from server.cli import parse_args as serve_args  # moe-serve, and its --config YAML
+    from moe_serve.engine.cli import _parse_args as generate_args  # moe-generate
+    from moe_serve.engine.cli import engine_config_from_args
+    from moe_serve.server.cli import parse_args as serve_args  # moe-serve, and its --config YAML
 
     assert engine_config_from_args(generate_args(["--prompt-ids", "1", "--expert-quant", "int4"])).expert_quant == "int4"
     config = tmp_path / "c.yaml"

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.graphs import span_bucket
-from engine.kv_cache import KVCache
-from engine.runtime import build_runtime
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.graphs import span_bucket
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.runtime import build_runtime
 from tests.tiny_checkpoints import build_tiny_checkpoint
 
 PROMPT = [3, 17, 42, 5, 99, 7]
@@ -46,8 +46,8 @@ def test_span_buckets():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graphed_decode_matches_eager_on_gpu(tmp_path):
-    from engine.core import EngineCore, run_to_completion
-    from engine.messages import GenerateRequest, SamplingParams
+    from moe_serve.engine.core import EngineCore, run_to_completion
+    from moe_serve.engine.messages import GenerateRequest, SamplingParams
 
     path = str(build_tiny_checkpoint("qwen3_moe", tmp_path / "m"))
     outs = []
@@ -79,8 +79,8 @@ def test_a_replayed_token_books_its_experts_in_every_layer(tmp_path):
     ("olmoe", "lru", "next-layer"), ("qwen3_moe", "mrs", "next-layer"),
 ])
 def test_piecewise_graphs_of_an_offloaded_step_match_eager(tmp_path, family, policy, prefetch):
-    from engine.core import EngineCore, run_to_completion
-    from engine.messages import GenerateRequest, SamplingParams
+    from moe_serve.engine.core import EngineCore, run_to_completion
+    from moe_serve.engine.messages import GenerateRequest, SamplingParams
 
     path = str(build_tiny_checkpoint(family, tmp_path / "m"))
     runs = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.loader import LoadedModel, load_model
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.loader import LoadedModel, load_model
 from tests.tiny_checkpoints import AllResidentRunner, build_tiny_checkpoint
 
 

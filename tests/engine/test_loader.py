@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.experts.compute import accumulate_experts
-from engine.experts.routing import LayerRouting
-from engine.kv_cache import KVCache
-from engine.loader import LoadedModel, LoadError, load_model, resolve_dtype
+from moe_serve.engine.experts.compute import accumulate_experts
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.loader import LoadedModel, LoadError, load_model, resolve_dtype
 from tests.tiny_checkpoints import AllResidentRunner, build_tiny_checkpoint
 
 Tensors = dict[str, torch.Tensor]
@@ -166,7 +166,7 @@ class CudaRunner(AllResidentRunner):
 def test_no_progress_bar_off_a_terminal_only_log_lines(qwen2_moe: Path, capfd: pytest.CaptureFixture,
                                                        caplog: pytest.LogCaptureFixture) -> None:
     """stderr captured here is no terminal: the bar's carriage returns must not reach a log file."""
-    with caplog.at_level("INFO", logger="engine.loader"):
+    with caplog.at_level("INFO", logger="moe_serve.engine.loader"):
         load_model(qwen2_moe, runner_factory=AllResidentRunner.factory)
     assert "\r" not in capfd.readouterr().err
     messages = [record.getMessage() for record in caplog.records]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.logging_config import LogSettings
+from moe_serve.engine.logging_config import LogSettings
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def test_json_lines_for_every_logger(restore_logging: None, capsys: pytest.Captu
     LogSettings("info", "json").apply()
     logging.getLogger("moe_serve").info("hello %s", "world")
     logging.getLogger("uvicorn.access").info("GET /health", extra={"color_message": "\x1b[1mGET\x1b[0m /health"})
-    logging.getLogger("engine.runtime").debug("not at info")
+    logging.getLogger("moe_serve.engine.runtime").debug("not at info")
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert [(r["logger"], r["message"], r["level"]) for r in lines] == [
         ("moe_serve", "hello world", "INFO"), ("uvicorn.access", "GET /health", "INFO")]

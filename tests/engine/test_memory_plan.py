@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import ConfigError, EngineConfig
-from engine.experts.runner import CachedExpertRunner
-from engine.kv.paged_cache import kv_bytes_per_token
-from engine.loader import load_model, read_config
-from engine.memory_plan import GIB, KV_SHARE, activation_bytes, non_expert_bytes, plan_memory
-from engine.models.config import ModelConfig
+from moe_serve.engine.config import ConfigError, EngineConfig
+from moe_serve.engine.experts.runner import CachedExpertRunner
+from moe_serve.engine.kv.paged_cache import kv_bytes_per_token
+from moe_serve.engine.loader import load_model, read_config
+from moe_serve.engine.memory_plan import GIB, KV_SHARE, activation_bytes, non_expert_bytes, plan_memory
+from moe_serve.engine.models.config import ModelConfig
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "models" / "default"
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "moe_serve" / "models" / "default"
 MODEL = read_config(DEFAULT_MODEL)
 DTYPE = torch.bfloat16
 BLOCK = 16

@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore, run_to_completion
-from engine.messages import GenerateRequest, SamplingParams
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.core import EngineCore, run_to_completion
+from moe_serve.engine.messages import GenerateRequest, SamplingParams
 from tests.tiny_checkpoints import MOE_FAMILIES, build_tiny_checkpoint, tiny_hf_model
 
 PROMPT = (3, 17, 42, 5, 99, 7, 12, 64)
@@ -123,7 +123,7 @@ def test_abort_frees_the_running_sequence(checkpoints):
 
 def test_moe_generate_json(checkpoints):
     out = subprocess.run(
-        [sys.executable, "-m", "engine.cli", "--model", checkpoints["qwen2_moe"], "--prompt-ids",
+        [sys.executable, "-m", "moe_serve.engine.cli", "--model", checkpoints["qwen2_moe"], "--prompt-ids",
          ",".join(map(str, PROMPT)), "--max-tokens", "6", "--gpu-expert-budget", "50%", "--json"],
         capture_output=True, text=True, check=True,
     )

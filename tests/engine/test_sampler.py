@@ -15,12 +15,12 @@ from math import sqrt
 import pytest
 import torch
 
-from engine.decode import choose_token
-from engine.messages import SamplingParams, TokenLogprob
-from engine.sampler import SamplingBatch, SamplingRow, TokenMask, exponential_noise, noise_bits, sample
-from engine.sampling import (apply_penalties, draft_verify_honours, forbid_stop_tokens, target_distribution,
+from moe_serve.engine.decode import choose_token
+from moe_serve.engine.messages import SamplingParams, TokenLogprob
+from moe_serve.engine.sampler import SamplingBatch, SamplingRow, TokenMask, exponential_noise, noise_bits, sample
+from moe_serve.engine.sampling import (apply_penalties, draft_verify_honours, forbid_stop_tokens, target_distribution,
                              token_logprob)
-from engine.sequence import Sequence
+from moe_serve.engine.sequence import Sequence
 
 CPU = torch.device("cpu")
 VOCAB = 48
@@ -313,7 +313,7 @@ def test_draft_verify_honours_the_extras_it_applies() -> None:
 
 
 def token_mask(allowed: dict[int, list[int]], vocab: int = VOCAB) -> TokenMask:
-    """A grammar mask: row -> its allowed token ids (engine/structured.py fills real ones)."""
+    """A grammar mask: row -> its allowed token ids (moe_serve/engine/structured.py fills real ones)."""
     bits = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int64)
     for k, ids in enumerate(allowed.values()):
         for t in ids:

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.kv.block_manager import BlockManager, blocks_for
-from engine.messages import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, SequenceStatus
+from moe_serve.engine.kv.block_manager import BlockManager, blocks_for
+from moe_serve.engine.messages import SamplingParams
+from moe_serve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from moe_serve.engine.sequence import Sequence, SequenceStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 STOP = 0
@@ -69,7 +69,7 @@ def run(scheduler: Scheduler, arrivals: dict[int, list[Sequence]], max_steps: in
 
 
 def test_the_scheduler_imports_no_torch():
-    code = "import sys, engine.scheduler, engine.kv.block_manager; assert 'torch' not in sys.modules"
+    code = "import sys, moe_serve.engine.scheduler, moe_serve.engine.kv.block_manager; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from engine.config import EngineConfig
-from engine.core import EngineCore, run_to_completion
-from engine.messages import GenerateRequest, SamplingParams, StructuredOutput
-from engine.structured import GrammarError, Grammars, grammar_text
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.core import EngineCore, run_to_completion
+from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput
+from moe_serve.engine.structured import GrammarError, Grammars, grammar_text
 from tests.engine.test_batching import run_together, tokens
 from tests.server.tiny_tokenizer import build_tiny_tokenizer
 from tests.tiny_checkpoints import build_tiny_checkpoint

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.experts.layout import ExpertLayout
-from engine.experts.routing import LayerRouting
-from engine.experts.runner import CachedExpertRunner
-from engine.experts.store import ExpertStore
-from engine.replay import load_trace, main, simulate
-from engine.trace import RoutingRecorder
+from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.experts.runner import CachedExpertRunner
+from moe_serve.engine.experts.store import ExpertStore
+from moe_serve.engine.replay import load_trace, main, simulate
+from moe_serve.engine.trace import RoutingRecorder
 
 
 def _line(step: int, layer: int, experts: list[int], next_experts: list[int] | None = None) -> str:
@@ -85,7 +85,7 @@ def test_simulated_predictor_prefetches_its_guess(tmp_path: Path) -> None:
 def test_cli_prints_a_table_per_slots_per_layer(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(_line(s, layer, [s % 3]) for s in range(4) for layer in range(2)) + "\n")
-    out = subprocess.run([sys.executable, "-m", "engine.replay", str(trace), "--slots-per-layer", "1,2"],
+    out = subprocess.run([sys.executable, "-m", "moe_serve.engine.replay", str(trace), "--slots-per-layer", "1,2"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].split()[:4] == ["policy", "predictor", "slots", "hit"]
     assert len(out) == 1 + 2 * 5 * 2  # capacities x policies (opt included) x predictors

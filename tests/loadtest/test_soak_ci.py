@@ -20,7 +20,7 @@ RSS_GROWTH_MB = 40  # allocator warm-up after the untimed warm-up; a leak per re
 def test_soak_ci(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the spawned server inherits it: no thread pool spinning on 2 cores
     out = tmp_path / "soak.json"
-    code = main(["--spawn", "--model", str(tiny_model), "--server-log", str(tmp_path / "server.log"),
+    code = main(["--spawn", "--model", str(tiny_model), "--server-log", str(tmp_path / "moe_serve.server.log"),
                  "--server-args", f"--device cpu --max-model-len 256 --max-queue {MAX_QUEUE}",
                  "--concurrency", str(CLIENTS), "--duration", str(SECONDS), "--num-prompts", "64",
                  "--prompt-words", "6", "--max-tokens", "24", "--allow-status", "429", "--sample-every", "5",

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import stdlib_corpus  # noqa: E402
-TARGET_DIR = REPO / "models" / "default"
-DRAFT_DIR = REPO / "models" / "default-draft"
+TARGET_DIR = REPO / "moe_serve" / "models" / "default"
+DRAFT_DIR = REPO / "moe_serve" / "models" / "default-draft"
 PROMPT = "import os\n\n\ndef read_lines(path):\n"
 
 

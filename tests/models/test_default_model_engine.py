@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.core import EngineCore, run_to_completion
-from engine.kv_cache import KVCache
-from engine.messages import GenerateRequest, SamplingParams
-from engine.runtime import build_runtime
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.core import EngineCore, run_to_completion
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.messages import GenerateRequest, SamplingParams
+from moe_serve.engine.runtime import build_runtime
 
-MODELS = Path(__file__).resolve().parents[2] / "models"
+MODELS = Path(__file__).resolve().parents[2] / "moe_serve" / "models"
 TARGET, DRAFT = MODELS / "default", MODELS / "default-draft"
 PROMPT = "import os\n\ndef list_python_files(root):\n"
 

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 import expand_experts  # noqa: E402
 
-TARGET_DIR = REPO / "models" / "default"
+TARGET_DIR = REPO / "moe_serve" / "models" / "default"
 
 
 @pytest.mark.parametrize(("expert_mb", "hidden", "expected"), [(12.6, 2048, 1024), (352, 4096, 14336)])

@@ -17,7 +17,7 @@ import measure_default_model as mdm  # noqa: E402
 
 @pytest.fixture(scope="module")
 def target():
-    return AutoModelForCausalLM.from_pretrained(REPO / "models" / "default", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(REPO / "moe_serve" / "models" / "default", dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Real servers for the HTTP tests: a tiny checkpoint + tokenizer on disk, `python -m server` on a
+"""Real servers for the HTTP tests: a tiny checkpoint + tokenizer on disk, `python -m moe_serve.server` on a
 free port, on the CPU. One shared server per session; tests that need other flags start their own."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 FAMILY = "mixtral"
 MAX_MODEL_LEN = 256
 START_TIMEOUT_S = 240
-DEFAULT_MODEL = REPO / "models" / "default"
+DEFAULT_MODEL = REPO / "moe_serve" / "models" / "default"
 
 
 def free_port() -> int:
@@ -83,11 +83,11 @@ class RunningServer:
 
 
 def start_server(model_dir: Path, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
-    """Start `python -m server` and wait until /health says the engine is ready."""
+    """Start `python -m moe_serve.server` and wait until /health says the engine is ready."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server", "--model", str(model_dir), "--device", "cpu", "--port", str(port),
+    cmd = [sys.executable, "-m", "moe_serve.server", "--model", str(model_dir), "--device", "cpu", "--port", str(port),
            "--max-model-len", str(MAX_MODEL_LEN), *args]
     # One intra-op thread: on a small shared CPU torch's default thread pool spins against the
     # other processes (measured: ~70x slower per step on 2 busy cores).

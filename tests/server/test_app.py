@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.config import EngineConfig
-from server.app import PACKAGE_VERSION, create_app, system_fingerprint
-from server.cli import parse_args, server_settings_from_args
-from server.settings import ServerSettings
+from moe_serve.engine.config import EngineConfig
+from moe_serve.server.app import PACKAGE_VERSION, create_app, system_fingerprint
+from moe_serve.server.cli import parse_args, server_settings_from_args
+from moe_serve.server.settings import ServerSettings
 
 ALLOWED = "http://localhost:3000"
 PREFLIGHT = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.cli import engine_config_from_args
-from engine.cli_flags import env_name
-from engine.config import ConfigError
-from server.cli import build_parser, parse_args, server_settings_from_args, set_engine_threads, usable_cores
-from server.settings import SamplingDefaults, read_chat_template
+from moe_serve.engine.cli import engine_config_from_args
+from moe_serve.engine.cli_flags import env_name
+from moe_serve.engine.config import ConfigError
+from moe_serve.server.cli import build_parser, parse_args, server_settings_from_args, set_engine_threads, usable_cores
+from moe_serve.server.settings import SamplingDefaults, read_chat_template
 
 
 def write(tmp_path: Path, data: dict) -> str:

@@ -10,7 +10,7 @@ import torch
 
 from tests.cli_runs import REPO, assert_one_line_failure, model_without_tokenizer, run_cli, unsupported_model
 
-PRESET = REPO / "configs" / "qwen3-30b-a3b-16gb.yaml"
+PRESET = REPO / "moe_serve" / "configs" / "qwen3-30b-a3b-16gb.yaml"
 
 
 def test_missing_folder() -> None:

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_tokenizer import MULTIBYTE, build_tiny_tokenizer
 
-from server.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from server.tokenizer import Tokenizer
+from moe_serve.server.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from moe_serve.server.tokenizer import Tokenizer
 
 VOCAB = 128  # the tiny checkpoints' vocabulary; ids past the tokenizer's decode to nothing
 

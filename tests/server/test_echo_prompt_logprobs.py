@@ -7,7 +7,7 @@ import openai
 import pytest
 import torch
 
-from server.tokenizer import Tokenizer
+from moe_serve.server.tokenizer import Tokenizer
 from tests.server.conftest import DEFAULT_MODEL, MAX_MODEL_LEN, RunningServer
 
 PROMPT = "import os\n\ndef list_python_files(root):\n"

@@ -1,4 +1,4 @@
-"""engine/process.py on its own: the message protocol of a spawned engine process."""
+"""moe_serve/engine/process.py on its own: the message protocol of a spawned engine process."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.messages import (
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.messages import (
     AbortRequest,
     EngineFailed,
     EngineReady,
@@ -18,7 +18,7 @@ from engine.messages import (
     SamplingParams,
     Shutdown,
 )
-from engine.process import run_engine
+from moe_serve.engine.process import run_engine
 
 
 @pytest.fixture

@@ -103,6 +103,6 @@ def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: P
 
 
 def test_missing_model_directory_is_a_clean_error(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "server", "--model", str(tmp_path / "nope")], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "moe_serve.server", "--model", str(tmp_path / "nope")], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1 and "no such folder" in done.stderr

@@ -28,7 +28,7 @@ from loadtest.run import (
     run_phase,
     wait_engine_idle,
 )
-from server.cli import KEEP_ALIVE_SECONDS
+from moe_serve.server.cli import KEEP_ALIVE_SECONDS
 from tests.server.conftest import RunningServer, start_server
 
 TIMEOUT_S = 60.0  # per request: a hang fails the test instead of stalling it

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.errors import UNSUPPORTED_FIELDS
+from moe_serve.server.errors import UNSUPPORTED_FIELDS
 from tests.server.conftest import MAX_MODEL_LEN, RunningServer
 
 CHAT = "/v1/chat/completions"

@@ -2,8 +2,8 @@ import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.messages import MetricsSnapshot
-from server.metrics import FINISH_REASONS, ServerMetrics
+from moe_serve.engine.messages import MetricsSnapshot
+from moe_serve.server.metrics import FINISH_REASONS, ServerMetrics
 
 
 def _samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:

@@ -6,7 +6,7 @@ import asyncio
 import openai
 import pytest
 
-from server.tokenizer import Tokenizer
+from moe_serve.server.tokenizer import Tokenizer
 from tests.server.conftest import RunningServer
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about 日本 🙂"}]

@@ -19,7 +19,7 @@ import yaml
 from tests.server.conftest import REPO, RunningServer, free_port, start_server
 from tests.server.test_metrics import SAME_VALUE
 
-DASHBOARD = REPO / "configs" / "grafana" / "dashboards" / "moe-serve.json"
+DASHBOARD = REPO / "moe_serve" / "configs" / "grafana" / "dashboards" / "moe-serve.json"
 RATE_WINDOW = "30s"  # what Grafana's $__rate_interval becomes here: it spans the whole load
 LOAD_SECONDS = 8.0
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.reasoning import ReasoningStream
+from moe_serve.server.reasoning import ReasoningStream
 from tests.server.conftest import REPO, RunningServer, start_server
 
 THOUGHT = "The user wants x < y, so </thin is not the end; <think> inside stays."
@@ -46,7 +46,7 @@ def test_any_chunking_gives_the_same_split(parser: str, text: str, reasoning: st
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    running: RunningServer = start_server(REPO / "models" / "default", tmp_path_factory.mktemp("logs"),
+    running: RunningServer = start_server(REPO / "moe_serve" / "models" / "default", tmp_path_factory.mktemp("logs"),
                                           "--reasoning-parser", "deepseek_r1")
     yield openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused", max_retries=0)
     running.stop()

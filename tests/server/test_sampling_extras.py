@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from server.tokenizer import Tokenizer
+from moe_serve.server.tokenizer import Tokenizer
 from tests.server.conftest import MAX_MODEL_LEN, RunningServer
 
 HELLO = [{"role": "user", "content": "hello"}]

@@ -11,17 +11,17 @@ import httpx
 import psutil
 import pytest
 
-from engine.cli import engine_config_from_args
-from engine.config import EngineConfig
-from server.app import create_app
-from server.cli import parse_args
-from server.settings import ServerSettings
-from server.tokenizer import Tokenizer
+from moe_serve.engine.cli import engine_config_from_args
+from moe_serve.engine.config import EngineConfig
+from moe_serve.server.app import create_app
+from moe_serve.server.cli import parse_args
+from moe_serve.server.settings import ServerSettings
+from moe_serve.server.tokenizer import Tokenizer
 from tests.server.conftest import REPO, RunningServer, start_server
 
 KEY = "sk-moe-7d1c0f5e9b2a4c83a6e1"
 CAP_TOKENS, CAP_BYTES = 8, 65536
-SERVER_SOURCES = sorted((REPO / "server").glob("*.py"))
+SERVER_SOURCES = sorted((REPO / "moe_serve" / "server").glob("*.py"))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def _key_comparisons(function: ast.FunctionDef | ast.AsyncFunctionDef) -> list[i
 
 
 def test_key_comparison_is_constant_time() -> None:
-    """The key is checked with hmac.compare_digest, and no ==, != or `in` anywhere in server/ touches it."""
+    """The key is checked with hmac.compare_digest, and no ==, != or `in` anywhere in moe_serve/server/ touches it."""
     trees = {source.name: ast.parse(source.read_text()) for source in SERVER_SOURCES}
     assert "compare_digest" in _names(trees["state.py"])
     for name, tree in trees.items():
@@ -175,7 +175,7 @@ def test_no_field_can_point_at_files_or_code(server: RunningServer, field: str) 
 
 
 def test_weights_and_tokenizer_come_only_from_the_startup_directory() -> None:
-    """Only server/tokenizer.py loads anything by path, and it is handed --model's directory at start-up."""
+    """Only moe_serve/server/tokenizer.py loads anything by path, and it is handed --model's directory at start-up."""
     loaders = [(source.name, node.lineno) for source in SERVER_SOURCES
                for node in ast.walk(ast.parse(source.read_text()))
                if isinstance(node, ast.Attribute) and node.attr in ("from_pretrained", "load_model", "build_runtime")]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from server.stop import StopMatcher
+from moe_serve.server.stop import StopMatcher
 
 ALPHABET = "ab c日"
 

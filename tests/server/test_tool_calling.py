@@ -31,7 +31,7 @@ HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(P
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(REPO / "models" / "default", tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
+    running = start_server(REPO / "moe_serve" / "models" / "default", tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
                            "--tool-call-parser", "hermes")
     yield running
     running.stop()
@@ -135,12 +135,12 @@ def test_a_two_turn_agent_conversation_is_accepted(client: openai.OpenAI) -> Non
     answer = chat(client, messages=history, tool_choice="none", max_tokens=8)
     assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
     call = first.tool_calls[0].function
-    rendered = AutoTokenizer.from_pretrained(REPO / "models" / "default").apply_chat_template(
+    rendered = AutoTokenizer.from_pretrained(REPO / "moe_serve" / "models" / "default").apply_chat_template(
         ASK + [{"role": "assistant", "content": None, "tool_calls": [
                    {"type": "function", "function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
                {"role": "tool", "content": '{"temperature": 21}'}], tokenize=False, add_generation_prompt=True)
     assert f'"arguments": {json.dumps(json.loads(call.arguments))}' in rendered and "<tool_response>" in rendered
-    assert answer.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(REPO / "models" / "default")(
+    assert answer.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(REPO / "moe_serve" / "models" / "default")(
         rendered, add_special_tokens=False).input_ids)  # the history reached the template, tools not rendered
     again = chat(client, messages=history, max_tokens=8).choices[0]  # auto, the history rendered by the template
     assert again.finish_reason in ("stop", "length", "tool_calls")

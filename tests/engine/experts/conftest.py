@@ -10,10 +10,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.experts.compute import accumulate_experts
-from engine.experts.layout import ExpertLayout
-from engine.experts.routing import LayerRouting
-from engine.experts.store import ExpertStore
+from moe_serve.engine.experts.compute import accumulate_experts
+from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.experts.store import ExpertStore
 
 
 def random_store(num_layers: int = 4, num_experts: int = 8, hidden: int = 16, inter: int = 8,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.layout import ExpertLayout
 
 
 def random_slots(layout: ExpertLayout, num_slots: int, gen: torch.Generator) -> torch.Tensor:

@@ -7,10 +7,10 @@ import pytest
 import torch
 from runner_harness import drive, router_weights
 
-from engine.config import EngineConfig
-from engine.experts.cache import copy_row
-from engine.experts.routing import LayerRouting
-from engine.experts.runner import CachedExpertRunner, layer_scores
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.experts.cache import copy_row
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.experts.runner import CachedExpertRunner, layer_scores
 
 TOP_K = 2
 
@@ -140,10 +140,10 @@ def test_a_self_draft_runs_resident_experts_of_its_top_k_first(store, reference)
 
 
 def test_piecewise_capture_then_replay_hands_the_next_segment_resident_slots(store, reference) -> None:
-    """The host half of a piecewise-graphed step (engine/graphs.py), run on the CPU: capturing packs
+    """The host half of a piecewise-graphed step (moe_serve/engine/graphs.py), run on the CPU: capturing packs
     the routing and counts nothing; replaying a layer makes its experts resident in one wave and
     writes their slots and ids where the next segment's expert compute reads them."""
-    from engine.experts.compute import gathered_experts
+    from moe_serve.engine.experts.compute import gathered_experts
 
     runner = CachedExpertRunner(store, 3 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
     x = torch.randn(1, store.layout.hidden_size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -175,7 +175,7 @@ def test_piecewise_capture_then_replay_hands_the_next_segment_resident_slots(sto
 def test_a_replayed_verify_span_hands_every_token_its_slots(store, make_routing, reference) -> None:
     """A piecewise-graphed span of several tokens (a verify pass): one wave holds the union of
     the tokens' experts, and each token's row of the index names the slots of its own experts."""
-    from engine.experts.compute import gathered_experts
+    from moe_serve.engine.experts.compute import gathered_experts
 
     tokens = 3
     runner = CachedExpertRunner(store, tokens * TOP_K * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)

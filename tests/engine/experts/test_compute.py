@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.compute import accumulate_experts, gathered_experts, swiglu_expert
-from engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.compute import accumulate_experts, gathered_experts, swiglu_expert
+from moe_serve.engine.experts.layout import ExpertLayout
 
 
 def _setup(seed: int = 0, t: int = 5, k: int = 3, e: int = 6):

@@ -7,9 +7,9 @@ import pytest
 import torch
 from runner_harness import drive
 
-from engine.config import EngineConfig
-from engine.experts.cpu_experts import ExpertCosts, choose_cpu_experts, profile_costs
-from engine.experts.runner import CachedExpertRunner
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.experts.cpu_experts import ExpertCosts, choose_cpu_experts, profile_costs
+from moe_serve.engine.experts.runner import CachedExpertRunner
 
 TOP_K = 2
 ALL_ON_CPU = ExpertCosts(copy_seconds=1.0, cpu_base_seconds=0.0, cpu_per_token_seconds=0.0)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.experts.cache import copy_row
-from engine.experts.compute import accumulate_experts
-from engine.experts.cpu_experts import ExpertCosts, profile_costs
-from engine.experts.layout import ExpertLayout
-from engine.experts.routing import LayerRouting
-from engine.experts.runner import CachedExpertRunner
-from engine.experts.store import ExpertStore
+from moe_serve.engine.experts.cache import copy_row
+from moe_serve.engine.experts.compute import accumulate_experts
+from moe_serve.engine.experts.cpu_experts import ExpertCosts, profile_costs
+from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.experts.runner import CachedExpertRunner
+from moe_serve.engine.experts.store import ExpertStore
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

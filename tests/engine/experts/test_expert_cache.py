@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from engine.experts.cache import ExpertCache, cache_capacity
-from engine.experts.policies import LRUPolicy
+from moe_serve.engine.experts.cache import ExpertCache, cache_capacity
+from moe_serve.engine.experts.policies import LRUPolicy
 
 
 def test_capacity_from_bytes_fraction_or_all() -> None:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.experts.policies import LFUPolicy, LRUPolicy, MRSPolicy, NextUsePolicy, make_policy
+from moe_serve.engine.experts.policies import LFUPolicy, LRUPolicy, MRSPolicy, NextUsePolicy, make_policy
 
 A, B, C, D = (0, 0), (0, 1), (0, 2), (0, 3)
 

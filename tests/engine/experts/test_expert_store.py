@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.experts.layout import ExpertLayout
-from engine.experts.store import ExpertStore
+from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.store import ExpertStore
 
 H, I, E = 8, 4, 3
 

@@ -13,18 +13,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.experts.compute import (
+from moe_serve.engine.experts.compute import (
     GROUPED_MIN_PAIRS,
     gathered_experts,
     gathered_experts_torch,
 )
-from engine.experts.formats import FORMAT_NAMES, expert_format
-from engine.experts.fused_experts import (
+from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
+from moe_serve.engine.experts.fused_experts import (
     FusedConfig,
     fused_experts,
     fused_experts_available,
 )
-from engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.layout import ExpertLayout
 from tests.engine.experts.slot_rows import random_slots
 from tests.triton_interpreter import needs_triton, run_interpreted
 

@@ -16,13 +16,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.experts.compute import (
+from moe_serve.engine.experts.compute import (
     GROUPED_MIN_PAIRS,
     gathered_experts,
     gathered_experts_torch,
 )
-from engine.experts.formats import FORMAT_NAMES, expert_format
-from engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
+from moe_serve.engine.experts.layout import ExpertLayout
 from tests.engine.experts.slot_rows import random_slots
 from tests.triton_interpreter import needs_triton, run_interpreted
 
@@ -58,7 +58,7 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
 
 def tiny_config():
     """Tiles far smaller than the shapes (tl.dot's minimum): every kernel loops, every edge is masked."""
-    from engine.experts.grouped_experts import GroupedConfig
+    from moe_serve.engine.experts.grouped_experts import GroupedConfig
 
     return GroupedConfig(block_m=16, gate_up_block_i=16, gate_up_block_h=16, gate_up_warps=1, gate_up_stages=1,
                          down_block_h=16, down_block_i=16, down_warps=1, down_stages=1, sum_block_h=16)
@@ -66,7 +66,7 @@ def tiny_config():
 
 def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none") -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch."""
-    from engine.experts.grouped_experts import grouped_experts
+    from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     for h, i, t, k in cases:
         layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
@@ -79,7 +79,7 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
 
 def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[list[tuple[int, list[int]]], int]:
     """Each real block's (slot, pairs), read off the layout the way the kernels read it; and the grid size."""
-    from engine.experts.grouped_experts import block_layout
+    from moe_serve.engine.experts.grouped_experts import block_layout
 
     layout = block_layout(slot_ids, num_slots, block_m)
     order = layout.order.tolist()
@@ -92,7 +92,7 @@ def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> t
 
 def check_block_layouts(cases: list[tuple[int, int, int, int]]) -> None:
     """Run in the subprocess: every pair lands in exactly one block of <= block_m pairs of one slot."""
-    from engine.experts.grouped_experts import max_blocks
+    from moe_serve.engine.experts.grouped_experts import max_blocks
 
     for t, k, num_slots, block_m in cases:
         gen = torch.Generator().manual_seed(t * k)
@@ -136,7 +136,7 @@ def test_cpu_keeps_the_torch_path_at_any_batch():
 def _cuda_ready() -> bool:
     if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
         return False
-    from engine.experts.fused_experts import fused_experts_available
+    from moe_serve.engine.experts.fused_experts import fused_experts_available
 
     return fused_experts_available("cuda")
 
@@ -148,7 +148,7 @@ needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device a
 @pytest.mark.parametrize("quant", FORMAT_NAMES)
 @pytest.mark.parametrize("h,i,t,k", CUDA_CASES)
 def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
-    from engine.experts.grouped_experts import grouped_experts
+    from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
     if quant == "none":  # fp32 math on bf16 inputs
@@ -167,7 +167,7 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
 @needs_cuda
 @pytest.mark.parametrize("h,i,t,k", [(200, 72, 17, 4), (2048, 1024, 8, 2)])
 def test_cuda_fp32_matches_torch_path(h, i, t, k):
-    from engine.experts.grouped_experts import grouped_experts
+    from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cuda")
     torch.testing.assert_close(grouped_experts(x, weights, slots, ids, layout),
@@ -176,7 +176,7 @@ def test_cuda_fp32_matches_torch_path(h, i, t, k):
 
 @needs_cuda
 def test_cuda_small_batches_keep_the_fused_kernel():
-    from engine.experts.fused_experts import fused_experts
+    from moe_serve.engine.experts.fused_experts import fused_experts
 
     layout, slots, x, ids, weights = _problem(256, 128, 1, 2, torch.bfloat16, "cuda")
     assert ids.numel() < GROUPED_MIN_PAIRS
@@ -185,7 +185,7 @@ def test_cuda_small_batches_keep_the_fused_kernel():
 
 @needs_cuda
 def test_cuda_graph_replays_new_routing():
-    from engine.experts.grouped_experts import grouped_experts
+    from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     layout, slots, x, ids, weights = _problem(256, 128, 32, 2, torch.bfloat16, "cuda")
     grouped_experts(x, weights, slots, ids, layout)  # compile outside the capture

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.experts.predictor import NextLayerPredictor, rank_by_impact, token_topk
-from engine.experts.stats import ExpertStats
+from moe_serve.engine.experts.predictor import NextLayerPredictor, rank_by_impact, token_topk
+from moe_serve.engine.experts.stats import ExpertStats
 
 
 def test_rank_by_impact_is_the_union_ordered_by_summed_probability() -> None:

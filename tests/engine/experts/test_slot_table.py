@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.experts.policies import LRUPolicy
-from engine.experts.slots import SlotTable
+from moe_serve.engine.experts.policies import LRUPolicy
+from moe_serve.engine.experts.slots import SlotTable
 
 
 def _resident(table: SlotTable, *keys: tuple[int, int]) -> None:

@@ -10,12 +10,12 @@ import pytest
 import torch
 from runner_harness import drive, router_weights
 
-from engine.experts import runner as runner_module
-from engine.experts.cache import copy_row
-from engine.experts.compute import accumulate_experts
-from engine.experts.routing import LayerRouting
-from engine.experts.runner import CachedExpertRunner
-from engine.experts.streaming import streams
+from moe_serve.engine.experts import runner as runner_module
+from moe_serve.engine.experts.cache import copy_row
+from moe_serve.engine.experts.compute import accumulate_experts
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.experts.runner import CachedExpertRunner
+from moe_serve.engine.experts.streaming import streams
 
 TOP_K = 2
 TOKENS = 16  # T·k = 32 ≥ 2E = 16 for the 8-expert test store: streamed

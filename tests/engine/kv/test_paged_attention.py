@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import engine.kv.paged_attention as pa
-from engine.kv.paged_attention import (
+import moe_serve.engine.kv.paged_attention as pa
+from moe_serve.engine.kv.paged_attention import (
     PagedAttentionConfig,
     paged_attention,
     paged_attention_available,
@@ -155,7 +155,7 @@ def test_dispatch_takes_torch_path_on_cpu():
 
 def check_interpreted(cases: list[tuple]) -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: the fp32 kernel on CPU tensors vs both references."""
-    from engine.kv.paged_attention import paged_attention_triton
+    from moe_serve.engine.kv.paged_attention import paged_attention_triton
     for i, case in enumerate(cases):
         p = make_problem(case, seed=i)
         reference = torch_path(p)  # [T, nq, D]

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
-from engine.loader import load_model
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.loader import load_model
 from tests.tiny_checkpoints import DENSE_FAMILIES, MOE_FAMILIES, AllResidentRunner, build_tiny_checkpoint, tiny_hf_model
 
 DECODE_STEPS = 32

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.models.config import ModelConfig
+from moe_serve.engine.models.config import ModelConfig
 from tests.tiny_checkpoints import tiny_hf_model
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.experts.routing import LayerRouting
-from engine.kv_cache import KVCache
-from engine.loader import LoadedModel, load_model
-from engine.models.blocks import MoEBlock, route
+from moe_serve.engine.experts.routing import LayerRouting
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.loader import LoadedModel, load_model
+from moe_serve.engine.models.blocks import MoEBlock, route
 from tests.tiny_checkpoints import AllResidentRunner, build_tiny_checkpoint, tiny_hf_model
 
 
@@ -102,8 +102,8 @@ def test_router_weights_are_the_checkpoint_routers_in_moe_layer_order(tmp_path: 
 
 
 def test_moe_model_without_runner_is_refused() -> None:
-    from engine.models.blocks import CausalLM
-    from engine.models.config import ModelConfig
+    from moe_serve.engine.models.blocks import CausalLM
+    from moe_serve.engine.models.config import ModelConfig
 
     config = ModelConfig.from_hf({**tiny_hf_model("mixtral").config.to_dict(), "architectures": ["MixtralForCausalLM"]})
     with pytest.raises(ValueError, match="ExpertRunner"):

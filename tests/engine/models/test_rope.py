@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine.models.rope import RopeConfig, RotaryEmbedding, apply_rotary, rope_frequencies
+from moe_serve.engine.models.rope import RopeConfig, RotaryEmbedding, apply_rotary, rope_frequencies
 
 HEAD_DIM = 32
 PARAMS = {

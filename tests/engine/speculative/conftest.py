@@ -8,7 +8,7 @@ import pytest
 import torch
 from spec_harness import load_cached, load_dense
 
-from engine.models.blocks import CausalLM
+from moe_serve.engine.models.blocks import CausalLM
 from tests.tiny_checkpoints import MOE_FAMILIES, build_tiny_checkpoint
 
 

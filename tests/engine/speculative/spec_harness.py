@@ -5,19 +5,19 @@ from pathlib import Path
 
 import torch
 
-from engine.decode import BoundModel, Decoder
-from engine.experts.runner import CachedExpertRunner
-from engine.experts.store import ExpertStore
-from engine.graphs import GraphedDecode
-from engine.kv_cache import KVCache
-from engine.loader import load_model
-from engine.messages import SamplingParams
-from engine.models.blocks import CausalLM
-from engine.models.config import ModelConfig
-from engine.sequence import Sequence
-from engine.speculative.config import SpecConfig
-from engine.speculative.draft_spec import DraftSpecDecoder
-from engine.speculative.self_spec import SelfSpecDecoder
+from moe_serve.engine.decode import BoundModel, Decoder
+from moe_serve.engine.experts.runner import CachedExpertRunner
+from moe_serve.engine.experts.store import ExpertStore
+from moe_serve.engine.graphs import GraphedDecode
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.loader import load_model
+from moe_serve.engine.messages import SamplingParams
+from moe_serve.engine.models.blocks import CausalLM
+from moe_serve.engine.models.config import ModelConfig
+from moe_serve.engine.sequence import Sequence
+from moe_serve.engine.speculative.config import SpecConfig
+from moe_serve.engine.speculative.draft_spec import DraftSpecDecoder
+from moe_serve.engine.speculative.self_spec import SelfSpecDecoder
 
 MAX_LEN = 64
 CPU = torch.device("cpu")

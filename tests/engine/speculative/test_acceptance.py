@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampling import draw
-from engine.speculative.acceptance import AcceptRule, verify_position
+from moe_serve.engine.sampling import draw
+from moe_serve.engine.speculative.acceptance import AcceptRule, verify_position
 
 LOSSLESS = AcceptRule(greedy=False)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.adaptive import (
+from moe_serve.engine.speculative.adaptive import (
     AdaptiveGamma,
     AdaptiveGammaConfig,
     best_gamma,

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.speculative.cutoff import CutoffInputs, choose_cutoff
+from moe_serve.engine.speculative.cutoff import CutoffInputs, choose_cutoff
 
 BASE = CutoffInputs(experts_per_layer=(2,) * 8, expert_bytes=100, free_bytes=10_000,
                     t_comp=1.0, t_load=1.0, draft_depth=4, gamma=2)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.speculative.layer_map import draft_layer_for, layer_map
+from moe_serve.engine.speculative.layer_map import draft_layer_for, layer_map
 
 
 def test_equal_depths_map_one_to_one() -> None:

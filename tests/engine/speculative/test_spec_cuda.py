@@ -12,13 +12,13 @@ from spec_harness import (
     load_dense,
 )
 
-from engine.config import EngineConfig
-from engine.core import EngineCore, run_to_completion
-from engine.decode import PlainDecoder
-from engine.messages import GenerateRequest, SamplingParams
-from engine.speculative.config import SpecConfig
-from engine.speculative.draft_spec import DraftSpecDecoder
-from engine.speculative.self_spec import SelfSpecDecoder
+from moe_serve.engine.config import EngineConfig
+from moe_serve.engine.core import EngineCore, run_to_completion
+from moe_serve.engine.decode import PlainDecoder
+from moe_serve.engine.messages import GenerateRequest, SamplingParams
+from moe_serve.engine.speculative.config import SpecConfig
+from moe_serve.engine.speculative.draft_spec import DraftSpecDecoder
+from moe_serve.engine.speculative.self_spec import SelfSpecDecoder
 from tests.tiny_checkpoints import MOE_FAMILIES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

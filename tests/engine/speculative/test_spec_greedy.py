@@ -11,13 +11,13 @@ import logging
 import pytest
 from spec_harness import RecordingSink, assert_kv_matches_prefill, bind, generate
 
-from engine.decode import BoundModel, PlainDecoder
-from engine.messages import SamplingParams
-from engine.models.blocks import CausalLM
-from engine.speculative.config import SpecConfig
-from engine.speculative.draft_spec import DraftSpecDecoder
-from engine.speculative.loop import SpecDecoder
-from engine.speculative.self_spec import SelfSpecDecoder
+from moe_serve.engine.decode import BoundModel, PlainDecoder
+from moe_serve.engine.messages import SamplingParams
+from moe_serve.engine.models.blocks import CausalLM
+from moe_serve.engine.speculative.config import SpecConfig
+from moe_serve.engine.speculative.draft_spec import DraftSpecDecoder
+from moe_serve.engine.speculative.loop import SpecDecoder
+from moe_serve.engine.speculative.self_spec import SelfSpecDecoder
 
 PROMPT = [5, 17, 99, 3, 42, 64, 7]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)

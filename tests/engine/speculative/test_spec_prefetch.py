@@ -9,21 +9,21 @@ import pytest
 import torch
 from spec_harness import CPU, RecordingSink, bind, generate, generate_with_prefetch
 
-from engine.decode import PlainDecoder
-from engine.messages import SamplingParams
-from engine.models.blocks import CausalLM, MoEBlock
-from engine.speculative.config import SpecConfig
-from engine.speculative.cross_model import CrossModelPredictor
-from engine.speculative.draft_spec import DraftSpecDecoder
-from engine.speculative.loop import Drafter
-from engine.speculative.profile import (
+from moe_serve.engine.decode import PlainDecoder
+from moe_serve.engine.messages import SamplingParams
+from moe_serve.engine.models.blocks import CausalLM, MoEBlock
+from moe_serve.engine.speculative.config import SpecConfig
+from moe_serve.engine.speculative.cross_model import CrossModelPredictor
+from moe_serve.engine.speculative.draft_spec import DraftSpecDecoder
+from moe_serve.engine.speculative.loop import Drafter
+from moe_serve.engine.speculative.profile import (
     SpecProfile,
     plan_cutoff,
     profile_drafting,
     profile_expert_load,
 )
-from engine.speculative.self_spec import SelfSpecDecoder
-from engine.speculative.stats import SpecStats
+from moe_serve.engine.speculative.self_spec import SelfSpecDecoder
+from moe_serve.engine.speculative.stats import SpecStats
 
 PROMPT = [9, 33, 2, 101, 54]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)

@@ -12,13 +12,13 @@ from math import sqrt
 
 import torch
 
-from engine.decode import BoundModel
-from engine.kv_cache import KVCache
-from engine.messages import SamplingParams
-from engine.sampling import apply_penalties, target_distribution
-from engine.sequence import Sequence
-from engine.speculative.config import SpecConfig
-from engine.speculative.loop import Drafter, SpecDecoder
+from moe_serve.engine.decode import BoundModel
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.messages import SamplingParams
+from moe_serve.engine.sampling import apply_penalties, target_distribution
+from moe_serve.engine.sequence import Sequence
+from moe_serve.engine.speculative.config import SpecConfig
+from moe_serve.engine.speculative.loop import Drafter, SpecDecoder
 
 VOCAB = 4
 PROMPT = [0]

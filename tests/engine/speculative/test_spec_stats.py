@@ -1,7 +1,7 @@
 """Speculative counters count what their names say."""
 from __future__ import annotations
 
-from engine.speculative.stats import SpecStats
+from moe_serve.engine.speculative.stats import SpecStats
 
 
 def test_acceptance_counters_and_position_histogram() -> None:

@@ -1,7 +1,7 @@
 """SpecSwitch: who speculates, from measured costs (no torch)."""
 from __future__ import annotations
 
-from engine.speculative.switch import PROBE_EVERY, SpecSwitch
+from moe_serve.engine.speculative.switch import PROBE_EVERY, SpecSwitch
 
 
 def test_only_a_sequence_alone_with_nothing_waiting_speculates():

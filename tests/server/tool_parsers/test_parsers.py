@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from server.tool_parsers import TOOL_PARSERS
-from server.tool_parsers.base import ToolParser
-from server.tool_parsers.forced import NamedParser, RequiredParser
-from server.tool_parsers.stream import ToolCallDelta, ToolCallStream, merge_tool_call_deltas
+from moe_serve.server.tool_parsers import TOOL_PARSERS
+from moe_serve.server.tool_parsers.base import ToolParser
+from moe_serve.server.tool_parsers.forced import NamedParser, RequiredParser
+from moe_serve.server.tool_parsers.stream import ToolCallDelta, ToolCallStream, merge_tool_call_deltas
 
 WEATHER = {"city": "Pa\"ris }", "days": [1, {"x": "]"}], "unit": None}
 WEATHER_TEXT = json.dumps(WEATHER)

@@ -8,15 +8,15 @@ import jsonschema
 import pytest
 from transformers import AutoTokenizer
 
-from engine.messages import StructuredOutput
-from engine.structured import Grammars
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
-from server.tool_parsers.forced import NamedParser, RequiredParser, required_schema
-from server.tool_parsers.hermes import HermesParser
-from server.tool_parsers.tool_choice import tool_calling
+from moe_serve.engine.messages import StructuredOutput
+from moe_serve.engine.structured import Grammars
+from moe_serve.server.errors import APIError
+from moe_serve.server.protocol import ChatCompletionRequest
+from moe_serve.server.tool_parsers.forced import NamedParser, RequiredParser, required_schema
+from moe_serve.server.tool_parsers.hermes import HermesParser
+from moe_serve.server.tool_parsers.tool_choice import tool_calling
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "models" / "default"
+DEFAULT_MODEL = Path(__file__).resolve().parents[3] / "moe_serve" / "models" / "default"
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "now"}}]

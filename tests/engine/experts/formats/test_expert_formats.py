@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.experts.formats import FORMAT_NAMES, expert_format
-from engine.experts.formats.fp8 import E4M3_MAX
-from engine.experts.formats.int4 import group_size
-from engine.experts.layout import ExpertLayout
-from engine.experts.store import ExpertStore
+from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
+from moe_serve.engine.experts.formats.fp8 import E4M3_MAX
+from moe_serve.engine.experts.formats.int4 import group_size
+from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.store import ExpertStore
 
 QUANTIZED = [name for name in FORMAT_NAMES if name != "none"]
 # [N, K]: odd K (int4's half byte), K under one int4 group, K over several with a partial last one

@@ -1,0 +1,91 @@
+"""Grouped SwiGLU expert compute: each expert runs once over all the tokens routed to it."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from moe_serve.engine.experts.layout import ExpertLayout
+
+# T*k from which gathered_experts takes the grouped kernel over the per-pair fused GEMVs. On an
+# H100 with uniform top-k routing (bench/results/kernels/grouped_experts.json) Mixtral-size experts
+# (8, top-2) cross over at 8 pairs (1.16x at 16, 1.7x at 32, 6.3x at 128); OLMoE-size (64, top-8)
+# at ~100 (0.94x at 16-32, 0.98x at 64, 1.15x at 128, 3.5x at 512): 16 takes the large wins and
+# costs OLMoE at most ~6% at 2-8 tokens.
+GROUPED_MIN_PAIRS = 16
+
+
+def swiglu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """One expert over its tokens: x [N, H] -> [N, H]. A quantized row is decoded first (the reference
+    dequantization, into x's dtype)."""
+    gate, up = F.linear(x, layout.gate_up(row)).chunk(2, dim=-1)  # [N, I] each
+    return F.linear(F.silu(gate) * up, layout.down(row))
+
+
+def accumulate_experts(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    rows: dict[int, torch.Tensor],
+    layout: ExpertLayout,
+) -> None:
+    """Add the contribution of the experts in `rows` (expert id -> packed weight row) into out [T, H].
+
+    Tokens are grouped by expert with one sort, so the Python loop runs over experts, never
+    over tokens. Experts routed but absent from `rows` are skipped: callers run them in a later
+    wave once their weights are resident.
+    """
+    flat_ids = expert_ids.reshape(-1)  # [T*k]
+    order = torch.argsort(flat_ids, stable=True)
+    sorted_ids = flat_ids[order]
+    token_of = order // expert_ids.shape[1]  # [T*k] token index of each sorted assignment
+    weight_of = expert_weights.reshape(-1)[order]
+    present, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
+    start = 0
+    for expert, count in zip(present.tolist(), counts.tolist()):
+        if expert in rows:
+            tokens = token_of[start : start + count]
+            y = swiglu_expert(x[tokens], rows[expert], layout)  # [n, H]
+            out.index_add_(0, tokens, y * weight_of[start : start + count, None].to(y.dtype))
+        start += count
+
+
+def gathered_experts(
+    x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+    layout: ExpertLayout,
+) -> torch.Tensor:
+    """All routed experts of a few tokens at once, with no host sync: graph-capturable.
+
+    x [T, H]; expert_weights/slot_ids [T, k] (each token's experts by the slot holding them);
+    slots [S, numel] holds every needed expert. Worth it while T*k is small (decode, short
+    verify spans); long prefills use accumulate_experts instead. On a GPU with triton the
+    kernels read the routed slots in place: from GROUPED_MIN_PAIRS (token, expert) pairs on, the
+    grouped kernel, which reads each slot once per block of its tokens; below, the fused GEMVs,
+    one per pair. Both decode quantized rows as they load them. Elsewhere the torch path gathers them.
+    """
+    if x.is_cuda:
+        from moe_serve.engine.experts import fused_experts as fused  # imports triton: only on the GPU path
+        from moe_serve.engine.experts import grouped_experts as grouped
+
+        if fused.fused_experts_supported(x, slots, layout):  # the grouped kernel has the same requirements
+            if slot_ids.numel() >= GROUPED_MIN_PAIRS:
+                return grouped.grouped_experts(x, expert_weights, slots, slot_ids, layout)
+            return fused.fused_experts(x, expert_weights, slots, slot_ids, layout)
+    return gathered_experts_torch(x, expert_weights, slots, slot_ids, layout)
+
+
+def gathered_experts_torch(
+    x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+    layout: ExpertLayout,
+) -> torch.Tensor:
+    """The reference and CPU path of gathered_experts: copy the T*k weight rows out of their
+    slots (decoding quantized ones), then two batched matmuls."""
+    t, k = slot_ids.shape
+    h = layout.hidden_size
+    rows = slots.index_select(0, slot_ids.reshape(-1))  # [T*k, numel]
+    gate_up = layout.gate_up(rows)  # [T*k, 2I, H]
+    down = layout.down(rows)  # [T*k, H, I]
+    xk = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+    gate, up = torch.bmm(gate_up, xk).squeeze(-1).chunk(2, dim=-1)  # [T*k, I] each
+    y = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    return (y.view(t, k, h) * expert_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [T, H]

@@ -1,0 +1,25 @@
+"""Expert weight formats by --expert-quant name: one file each, and its line in _REGISTRY.
+
+Names only at import (no torch): the CLI lists them for --help; a format's module is imported
+when it is asked for.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from moe_serve.engine.experts.formats.base import ExpertFormat
+
+_REGISTRY = {"none": "plain:Plain", "int8": "int8:Int8", "int4": "int4:Int4", "fp8": "fp8:Fp8"}  # name -> module:class
+FORMAT_NAMES = tuple(_REGISTRY)
+
+
+def expert_format(name: str, dtype: torch.dtype) -> ExpertFormat:
+    """The format called `name` for a model computing in `dtype` ("none": the weights kept in dtype)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown expert format {name!r}; choose one of {', '.join(FORMAT_NAMES)}")
+    module, cls = _REGISTRY[name].split(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), cls).for_model(dtype)

@@ -1,0 +1,106 @@
+"""int4 experts (--expert-quant int4): group-wise symmetric, two weights per byte.
+
+Each run of GROUP_SIZE weights along K (fewer where K is smaller; the last group of a row may be
+partial) shares one fp16 scale, absmax / 7, and stores q + 8 (q = round(w / scale) in [-7, 7]) as a
+nibble: weight 2j in the low nibble of byte j, weight 2j + 1 in the high one (a row of odd K ends
+with a zero nibble).
+Symmetric, without zero points: expert weights are centred on zero, so an offset would buy
+little over the 15 levels used, and it would cost a second tensor per group and an extra
+subtraction per weight in the kernels. fp16 scales (as GPTQ and AWQ keep them): 2 bytes per 64
+bytes of weights, 0.52 bytes per weight in all, 0.26x bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from moe_serve.engine.experts.formats.base import ExpertFormat
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
+GROUP_SIZE = 128  # also written in _load
+QMAX = 7
+ZERO = 8  # the nibble of q = 0
+
+
+def group_size(k: int) -> int:
+    return min(GROUP_SIZE, k)
+
+
+@dataclass(frozen=True)
+class Int4(ExpertFormat):
+    name: ClassVar[str] = "int4"
+    data_dtype: torch.dtype = torch.uint8
+    scale_dtype: torch.dtype = torch.float16
+
+    def data_cols(self, k: int) -> int:
+        return (k + 1) // 2
+
+    def scale_cols(self, k: int) -> int:
+        return -(-k // group_size(k))
+
+    def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, g = w.shape[-1], group_size(w.shape[-1])
+        groups = self.scale_cols(k)
+        padded = F.pad(w.float(), (0, groups * g - k)).unflatten(-1, (groups, g))  # [..., N, G, g]
+        scales = (padded.abs().amax(dim=-1) / QMAX).to(torch.float16)  # [..., N, G]
+        scales = torch.where(scales > 0, scales, 1.0)  # an all-zero group (or one under fp16's range) encodes as zeros
+        q = (padded / scales.float()[..., None]).round_().clamp_(-QMAX - 1, QMAX).flatten(-2)[..., :k]  # [..., N, K]
+        nibbles = F.pad((q + ZERO).to(torch.uint8), (0, k % 2), value=ZERO)
+        return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scales
+
+    def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
+        nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)[..., :k]  # [..., N, K]
+        per_weight = scales.float().repeat_interleave(group_size(k), dim=-1)[..., :k]  # [..., N, K]
+        return ((nibbles.float() - ZERO) * per_weight).to(dtype)
+
+    @property
+    def triton_load(self) -> Any:
+        return _load
+
+    def describe(self) -> str:
+        return f"int4 (group {GROUP_SIZE} symmetric, fp16 scales)"
+
+
+if triton is not None:
+    _ZERO = tl.constexpr(ZERO)
+
+    @triton.jit
+    def _load(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+              EVICT: tl.constexpr):
+        # BLOCK_K even and k0 a multiple of it: the tile's bytes are whole
+        KB: tl.constexpr = (K + 1) // 2  # bytes per row
+        # GROUP_SIZE as a literal: Triton's interpreter cannot take an int % a module-level constexpr
+        G: tl.constexpr = 128 if K > 128 else K
+        NG: tl.constexpr = (K + G - 1) // G  # scales per row
+        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + rows[:, None] * KB + byte[None, :], mask=row_ok[:, None] & (byte < KB)[None, :],
+                         other=_ZERO * 17, eviction_policy=EVICT)  # [R, BLOCK_K / 2]; padding decodes to 0
+        R: tl.constexpr = rows.shape[0]
+        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, BLOCK_K)).to(tl.float32) - _ZERO  # [R, BLOCK_K]
+        # one scale load per row and group, not per weight, where the tile and the groups align
+        # (the fp16 scales would otherwise be read 4x the packed weights' bytes from L1)
+        if G % BLOCK_K == 0:  # the tile lies in one group
+            s = tl.load(s_ptr + rows * NG + k0 // G, mask=row_ok, other=0.0)  # [R]
+            w = q * s.to(tl.float32)[:, None]
+        elif BLOCK_K % G == 0:  # the tile holds whole groups
+            group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
+            s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=row_ok[:, None] & (group < NG)[None, :],
+                        other=0.0)  # [R, BLOCK_K / G]
+            w = tl.reshape(tl.reshape(q, (R, BLOCK_K // G, G)) * s.to(tl.float32)[:, :, None], (R, BLOCK_K))
+        else:  # a small odd K (one group of K): each weight's group scale
+            cols = k0 + tl.arange(0, BLOCK_K)
+            s = tl.load(s_ptr + rows[:, None] * NG + (cols // G)[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                        other=0.0)  # [R, BLOCK_K]
+            w = q * s.to(tl.float32)
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w

@@ -1,0 +1,149 @@
+"""The fused expert kernel: a few tokens' routed SwiGLU experts, read in place from their slots.
+
+The torch path of `gathered_experts` copies every routed expert's packed row out of the slot
+buffer before two batched matmuls: at decode that copy moves as many bytes as the matmuls read.
+These two Triton kernels are memory-bound GEMVs that read the selected slots where they lie:
+
+1. `_gate_up_kernel`, one program per (token, j-th expert, block of I rows):
+   act = silu(gate_rows · x) * (up_rows · x), fp32, into act [T*k, I];
+2. `_down_kernel`, one program per (token, block of H outputs), looping over the token's k
+   experts: y = sum_j weight_j * down_j[h_block, :] · act_j, so the routing weights and the sum
+   over k are folded in, in a fixed order (deterministic: no atomics).
+
+Weights are loaded through the layout's format (formats/*.py `triton_load`, a compile-time argument):
+a quantized slot is read as stored and decoded in registers, and the plain format's load is the
+bare tile load. Everything accumulates in fp32 and is cast to x's dtype once, at the end. No host sync, no
+data-dependent shape: CUDA graphs capture it. H and I are compile-time constants (one compile
+per model shape; masks vanish where the tiles divide them, and Triton 3.6's interpreter cannot
+loop over a runtime bound). Triton is imported guarded, so the package
+imports where it is absent (CPU CI); the torch path in compute.py stays the reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from moe_serve.engine.experts.layout import ExpertLayout
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton: compute.py keeps the torch path
+    triton = None
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    """Tile sizes: rows of a weight matrix per program × contiguous elements per loop step."""
+    gate_up_rows: int = 8  # rows of I per gate/up program (it reads a gate and an up tile)
+    gate_up_cols: int = 512  # elements of H per step: 16 B loads, several per thread in flight
+    gate_up_warps: int = 4
+    down_rows: int = 4  # outputs of H per down program: T * H / 4 programs
+    down_cols: int = 1024  # elements of I per step
+    down_warps: int = 4
+
+
+def default_config(tokens: int, hidden: int, intermediate: int) -> FusedConfig:
+    """One set of tiles, best or within ~2% of the best on H100 for OLMoE and Mixtral shapes at
+    T = 1 and 4 (the sweep in bench/results/kernels/fused_experts.json, key "sweep"); clamped for small models."""
+    best = FusedConfig()
+    return replace(best, gate_up_cols=min(best.gate_up_cols, triton.next_power_of_2(hidden)),
+                   down_cols=min(best.down_cols, triton.next_power_of_2(intermediate)))
+
+
+def fused_experts_available(device: torch.device | str) -> bool:
+    """Triton is importable and `device` is a GPU it compiles for."""
+    return triton is not None and torch.device(device).type == "cuda"
+
+
+def fused_experts_supported(x: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout) -> bool:
+    """The fused path applies: a GPU, triton, a dtype it accumulates in fp32 without loss, packed
+    rows of the layout computing in x's dtype."""
+    return (fused_experts_available(x.device) and x.dtype in SUPPORTED_DTYPES and layout.dtype == x.dtype
+            and slots.dtype == layout.row_dtype and slots.stride(1) == 1)
+
+
+def fused_experts(
+    x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+    layout: ExpertLayout, config: FusedConfig | None = None,
+) -> torch.Tensor:
+    """Same contract as compute.gathered_experts: x [T, H]; expert_weights/slot_ids [T, k];
+    slots [S, numel] packed rows. Returns sum_j weight_j * expert_j(x) as [T, H] in x's dtype."""
+    t, k = slot_ids.shape
+    h, i = layout.hidden_size, layout.intermediate_size
+    cfg = config or default_config(t, h, i)
+    w, s = layout.kernel_views(slots)  # [S, *] the rows as weight data and as scales
+    operands = {"row_stride": w.stride(0), "scale_stride": s.stride(0), "LOAD": layout.format.triton_load}
+    x = x.contiguous()
+    ids = slot_ids.reshape(-1).contiguous()  # [T*k]
+    weights = expert_weights.reshape(-1).contiguous()  # [T*k]
+    act = torch.empty(t * k, i, dtype=torch.float32, device=x.device)  # [T*k, I]
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
+    if t * k:  # k == 0 (every expert of the token left to the CPU): the down kernel writes zeros
+        _gate_up_kernel[(t * k, triton.cdiv(i, cfg.gate_up_rows))](
+            x, w, s, ids, act, **operands, H=h, I=i, K=k, DATA=layout.element_offset("gate_up"),
+            SCALES=layout.element_offset("gate_up.scales"),
+            BLOCK_I=cfg.gate_up_rows, BLOCK_H=cfg.gate_up_cols, num_warps=cfg.gate_up_warps,
+        )
+    _down_kernel[(t, triton.cdiv(h, cfg.down_rows))](
+        act, w, s, ids, weights, out, **operands, H=h, I=i, K=k, DATA=layout.element_offset("down"),
+        SCALES=layout.element_offset("down.scales"),
+        BLOCK_H=cfg.down_rows, BLOCK_I=cfg.down_cols, num_warps=cfg.down_warps,
+    )
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr,
+                        I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr):
+        pair = tl.program_id(0)  # token * K + j
+        token = pair // K
+        slot = tl.load(ids_ptr + pair).to(tl.int64)  # int64: slot * row_stride passes 2**31 on big caches
+        gate_ptr = w_ptr + slot * row_stride + DATA  # gate_up [2I, H], gate rows first, in the format
+        scale_ptr = s_ptr + slot * scale_stride + SCALES
+        rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I]
+        row_ok = rows < I
+        cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+        acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            col = h0 + cols
+            col_ok = col < H
+            xv = tl.load(x_ptr + token * H + col, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_H]
+            gate = LOAD(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, False, "evict_first")  # [BLOCK_I, BLOCK_H]
+            up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, False, "evict_first")
+            acc_gate += gate.to(tl.float32) * xv[None, :]
+            acc_up += up.to(tl.float32) * xv[None, :]
+        g = tl.sum(acc_gate, axis=1)  # [BLOCK_I]
+        u = tl.sum(acc_up, axis=1)
+        tl.store(act_ptr + pair * I + rows, g * tl.sigmoid(g) * u, mask=row_ok)
+
+    @triton.jit
+    def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, row_stride, scale_stride, H: tl.constexpr,
+                     I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr):
+        token = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs
+        row_ok = rows < H
+        cols = tl.arange(0, BLOCK_I)  # [BLOCK_I]
+        y = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):  # the k experts in routing order: a fixed summation order
+            pair = token * K + j
+            slot = tl.load(ids_ptr + pair).to(tl.int64)
+            down_ptr = w_ptr + slot * row_stride + DATA  # down [H, I], in the format
+            scale_ptr = s_ptr + slot * scale_stride + SCALES
+            acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+            for i0 in range(0, I, BLOCK_I):
+                col = i0 + cols
+                col_ok = col < I
+                a = tl.load(act_ptr + pair * I + col, mask=col_ok, other=0.0)  # [BLOCK_I] fp32
+                w = LOAD(down_ptr, scale_ptr, rows, row_ok, i0, I, BLOCK_I, False, "evict_first")  # [BLOCK_H, BLOCK_I]
+                acc += w.to(tl.float32) * a[None, :]
+            y += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
+        tl.store(out_ptr + token * H + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)

@@ -1,0 +1,143 @@
+"""How one expert is packed into a single contiguous row of bytes, whatever its weight format.
+
+A row holds the fused gate+up projection [2I, H] (gate rows first) and the down projection
+[H, I], each encoded by the layout's format (formats/), then their scales if the format has any:
+
+    [gate_up data | down data | gate_up scales | down scales]
+
+Each section starts on a 16-byte boundary and the row is padded to one, so in any row of a
+[S, row] allocation every section views as its own dtype (and the kernels' loads stay aligned).
+One row means one expert moves host->device in one copy and occupies exactly one cache slot: the
+store, the cache and the copies only ever see rows; compute decodes them through the layout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from moe_serve.engine.experts.formats.base import ExpertFormat
+from moe_serve.engine.experts.formats.plain import Plain
+
+MATRICES = ("gate_up", "down")
+_ALIGN = 16
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Section:
+    """One encoded matrix, or its scales, inside a row."""
+
+    offset: int  # bytes from the row's start
+    rows: int
+    cols: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.cols * self.dtype.itemsize
+
+    def view(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [..., numel] (any row dtype) -> this section of each, [..., self.rows, self.cols]."""
+        raw = rows.view(torch.uint8)[..., self.offset : self.offset + self.nbytes]
+        return raw.view(self.dtype).unflatten(-1, (self.rows, self.cols))
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype  # the compute dtype: activations, and what the weights decode to
+    format: ExpertFormat | None = None  # None: Plain(dtype), the weights stored as they are computed
+
+    def __post_init__(self) -> None:
+        if self.format is None:
+            object.__setattr__(self, "format", Plain(self.dtype))
+
+    def shape(self, matrix: str) -> tuple[int, int]:
+        """[N, K] of a matrix: outputs, and the reduction dim its format encodes along."""
+        h, i = self.hidden_size, self.intermediate_size
+        return (2 * i, h) if matrix == "gate_up" else (h, i)
+
+    @cached_property
+    def sections(self) -> dict[str, Section]:
+        """'gate_up', 'down' and, if the format has scales, 'gate_up.scales', 'down.scales'."""
+        fmt, found, offset = self.format, {}, 0
+        for suffix, dtype, cols in (("", fmt.data_dtype, fmt.data_cols), (".scales", fmt.scale_dtype, fmt.scale_cols)):
+            if dtype is None:
+                continue
+            for matrix in MATRICES:
+                n, k = self.shape(matrix)
+                found[matrix + suffix] = Section(offset, n, cols(k), dtype)
+                offset = _aligned(offset + found[matrix + suffix].nbytes)
+        return found
+
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The element of a row: the data's own dtype when that is all there is (an unquantized row
+        is a plain weight array), bytes otherwise."""
+        return self.format.data_dtype if self.format.scale_dtype is None else torch.uint8
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert's row: what one cache slot holds and one miss copies."""
+        return _aligned(max(s.offset + s.nbytes for s in self.sections.values()))
+
+    @property
+    def numel(self) -> int:
+        """Elements of row_dtype per row."""
+        return self.nbytes // self.row_dtype.itemsize
+
+    def weights(self, rows: torch.Tensor, matrix: str) -> torch.Tensor:
+        """rows [..., numel] -> the matrix [..., N, K] in the compute dtype: a view of the row when
+        the format stores it as computed, decoded otherwise."""
+        scales = self.sections.get(matrix + ".scales")
+        return self.format.decode(self.sections[matrix].view(rows), None if scales is None else scales.view(rows),
+                                  self.shape(matrix)[1], self.dtype)
+
+    def gate_up(self, rows: torch.Tensor) -> torch.Tensor:
+        """The fused gate+up projection, [..., 2I, H] (gate rows first)."""
+        return self.weights(rows, "gate_up")
+
+    def down(self, rows: torch.Tensor) -> torch.Tensor:
+        """The down projection, [..., H, I]."""
+        return self.weights(rows, "down")
+
+    def write(self, rows: torch.Tensor, part: str, w: torch.Tensor) -> None:
+        """Encode HF-shaped weights of one part into rows [..., numel]: gate or up [..., I, H], down
+        [..., H, I] or gate_up [..., 2I, H]. A format's rows are independent, so parts encode apart."""
+        matrix = "down" if part == "down" else "gate_up"
+        n, k = self.shape(matrix)
+        span = {"gate": slice(0, n // 2), "up": slice(n // 2, n)}.get(part, slice(None))
+        data = self.sections[matrix].view(rows)[..., span, :]
+        expected = (*data.shape[:-1], k)
+        if tuple(w.shape) != expected:
+            raise ValueError(f"expert weight has shape {tuple(w.shape)}, expected {expected}")
+        encoded, scales = self.format.encode(w)
+        data.copy_(encoded)
+        if scales is not None:
+            self.sections[matrix + ".scales"].view(rows)[..., span, :].copy_(scales)
+
+    def pack_into(self, row: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Write HF-shaped weights (gate/up [I, H], down [H, I]) into one packed row."""
+        for part, w in (("gate", gate), ("up", up), ("down", down)):
+            self.write(row, part, w)
+
+    def element_offset(self, section: str) -> int:
+        """Where a section starts, in elements of its own dtype (0 for a section the format lacks)."""
+        found = self.sections.get(section)
+        return 0 if found is None else found.offset // found.dtype.itemsize
+
+    def kernel_views(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots [S, numel] as the data's elements and as the scales' (the data view again when there
+        are none): two views of one allocation, which the kernels index with element_offset."""
+        raw = slots.view(torch.uint8)
+        data = raw.view(self.format.data_dtype)
+        return data, data if self.format.scale_dtype is None else raw.view(self.format.scale_dtype)
+
+    def describe(self) -> str:
+        return f"{self.format.describe()}, {self.nbytes} bytes per expert"

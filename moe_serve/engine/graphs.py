@@ -1,0 +1,237 @@
+"""CUDA graphs of short forwards: a batch's decode tokens, a draft token, a verify span of gamma + 1.
+
+A decode step of a small-active-parameter MoE is hundreds of tiny kernels; launching them from
+Python costs more than running them. Each (attention span bucket, top-r, tokens, attention hook)
+of one sequence, and each (batch bucket, span bucket) of a batched decode step, gets its own
+capture; spans longer than MAX_TOKENS (prefills) and steps with prefill chunks run eagerly.
+
+* Every expert resident (or a dense model): the forward has no host decision left, so it is one graph.
+* Experts offloaded: which experts to copy depends on the routing, which only the host's cache
+  can act on. The forward is captured piecewise instead: one graph per stretch between two MoE
+  layers' expert calls (attention, norms, router, the previous layer's experts). Between two
+  replays the runner reads the layer's routing (the one sync the eager path also has), makes
+  its experts resident and writes their slot ids into a buffer the next graph reads.
+
+An attention hook (speculative decoding's expert predictor) is captured with the forward, so it
+must only do device work into tensors it owns (see moe_serve/engine/speculative/cross_model.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from moe_serve.engine.experts.runner import CachedExpertRunner, CapturedLayer
+from moe_serve.engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.models.blocks import AttentionHook
+
+MIN_SPAN = 256
+MAX_TOKENS = 16  # verify spans reach gamma + 1; a prefill is too long to be worth a capture per length
+
+
+def span_bucket(length: int, max_len: int) -> int:
+    """Smallest power-of-two span (>= MIN_SPAN, capped at max_len) holding `length` keys."""
+    span = MIN_SPAN
+    while span < length:
+        span *= 2
+    return min(span, max_len)
+
+
+@dataclass(frozen=True)
+class _Key:
+    span: int
+    top_r: int | None
+    tokens: int
+    hook: AttentionHook | None
+
+
+@dataclass(frozen=True)
+class _Captured:
+    inputs: torch.Tensor  # int64 [N], written before each replay: token ids, positions, ...
+    segments: list[torch.cuda.CUDAGraph]  # replayed in order; one more than `layers`
+    layers: list[CapturedLayer]  # the MoE layer whose expert call ends segment i (piecewise only)
+    logits: torch.Tensor  # [T, V], written by the last segment
+
+
+StaticForward = Callable[[torch.Tensor], torch.Tensor]  # its int64 inputs buffer -> logits [T, V]
+
+
+class GraphCapture:
+    """Fixed-shape forwards captured once per key and replayed: whole when nothing needs the host,
+    piecewise around each MoE layer's cache decision when experts are offloaded.
+
+    A forward reads everything that varies (token ids, positions, KV slots, ...) from one int64
+    inputs buffer, staged in pinned memory and copied in before each replay."""
+
+    def __init__(self, model: torch.nn.Module, runner: CachedExpertRunner | None, max_inputs: int) -> None:
+        self.model, self.runner = model, runner
+        self.piecewise = runner is not None and not runner.graph_safe
+        if self.piecewise and not runner.replayable:
+            raise ValueError("this expert runner makes per-layer host decisions a graph replay cannot")
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[Hashable, _Captured] = {}
+        # the inputs are written here, then copied to the replayed graph's buffer: a fresh pinned
+        # tensor per forward cost ~30 us of host time before every draft token
+        self._host_inputs = torch.zeros(max_inputs, dtype=torch.long, pin_memory=True)  # [max_inputs]
+        self._inputs_sent = torch.cuda.Event()  # the last copy out of _host_inputs
+
+    def stage(self) -> np.ndarray:
+        """The pinned inputs buffer to fill for the next run (waits for the previous copy out of it,
+        long done: the previous forward's logits were read)."""
+        self._inputs_sent.synchronize()
+        return self._host_view
+
+    @cached_property
+    def _host_view(self) -> np.ndarray:
+        return self._host_inputs.numpy()
+
+    def accepts(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens can be captured (a piecewise layer computes all its
+        experts in one wave: the cache must hold them)."""
+        return not self.piecewise or self.runner.can_replay(tokens)
+
+    def run(self, key: Hashable, num_inputs: int, tokens: int, top_r: int | None, forward: StaticForward) -> torch.Tensor:
+        """Logits [T, V] of the forward stored under `key`, fed the first num_inputs staged inputs."""
+        inputs = self._host_inputs[:num_inputs]
+        captured = self.graphs.get(key)
+        if captured is None:
+            return self._warm_up_and_capture(key, inputs, forward)
+        captured.inputs.copy_(inputs, non_blocking=True)
+        self._inputs_sent.record()
+        return self._replay(captured, tokens, top_r)
+
+    @torch.inference_mode()  # the captured tensors are inference tensors: the host writes slot ids into them
+    def _replay(self, captured: _Captured, tokens: int, top_r: int | None) -> torch.Tensor:
+        for i, layer in enumerate(captured.layers):
+            captured.segments[i].replay()
+            self.runner.replay_layer(layer)
+        captured.segments[-1].replay()
+        if self.piecewise:
+            self.runner.finish_replay()
+        elif self.runner is not None:  # one graph, every expert resident: a replay runs no Python
+            self.runner.count_replayed_tokens(tokens, top_r or self.model.config.top_k)
+        return captured.logits
+
+    def _warm_up_and_capture(self, key: Hashable, host_inputs: torch.Tensor, forward: StaticForward) -> torch.Tensor:
+        """Run these inputs eagerly on a side stream (warm-up, counted as usual), then capture."""
+        inputs = host_inputs.to(self.model.device)  # the capture's fixed input address
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            logits = forward(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graphs[key] = self._capture(inputs, forward)
+        return logits
+
+    def _capture(self, inputs: torch.Tensor, forward: StaticForward) -> _Captured:
+        segments = [torch.cuda.CUDAGraph()]
+
+        def split() -> None:  # the runner ends a segment at each MoE layer's expert call
+            segments[-1].capture_end()
+            segments.append(torch.cuda.CUDAGraph())
+            segments[-1].capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            segments[0].capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            if self.piecewise:
+                with self.runner.capturing(split) as layers:
+                    logits = forward(inputs)
+            else:
+                layers = []
+                logits = forward(inputs)
+            segments[-1].capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return _Captured(inputs, segments, layers, logits)
+
+
+class GraphedDecode:
+    """One sequence's short forwards (a decode token, a draft token, a verify span) over its contiguous KVCache."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVCache, runner: CachedExpertRunner | None = None) -> None:
+        """`runner`: the model's expert runner (None for a dense model)."""
+        self.model, self.kv = model, kv
+        self.capture = GraphCapture(model, runner, 2 * MAX_TOKENS)
+
+    @property
+    def graphs(self) -> dict[Hashable, _Captured]:
+        return self.capture.graphs
+
+    @property
+    def piecewise(self) -> bool:
+        return self.capture.piecewise
+
+    def accepts(self, tokens: int) -> bool:
+        """Whether a forward of `tokens` tokens can replay a graph (else it runs eagerly)."""
+        return tokens <= MAX_TOKENS and self.capture.accepts(tokens)
+
+    def forward(self, tokens: list[int], moe_top_r: int | None = None,
+                on_attention_output: AttentionHook | None = None) -> torch.Tensor:
+        """Logits [T, V] of `tokens` at positions kv.length..; advances kv.length by T."""
+        pos, t = self.kv.length, len(tokens)
+        key = _Key(span_bucket(pos + t, self.kv.max_len), moe_top_r, t, on_attention_output)
+        staged = self.capture.stage()
+        staged[:t] = tokens
+        staged[t : 2 * t] = range(pos, pos + t)
+
+        def forward_static(inputs: torch.Tensor) -> torch.Tensor:  # inputs [2T]: ids, then positions
+            ids, positions = inputs.view(2, t)
+            return self.model.forward_static(ids, positions, key.span, self.kv, moe_top_r=moe_top_r,
+                                             on_attention_output=on_attention_output)
+
+        logits = self.capture.run(key, 2 * t, t, moe_top_r, forward_static)
+        self.kv.length = pos + t
+        return logits
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def batch_bucket(size: int) -> int | None:
+    """Smallest captured batch size holding `size` sequences (None: too many, run eagerly)."""
+    return next((b for b in BATCH_BUCKETS if b >= size), None)
+
+
+class GraphedBatchDecode:
+    """Decode steps of B sequences (one token each) over the paged KV cache, padded to a batch bucket.
+
+    Padding rows repeat row 0 (its token, position, KV slot and sequence): they write the same key
+    and value to the same slot, route to the same experts (no extra copies) and are dropped."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, runner: CachedExpertRunner | None,
+                 max_num_seqs: int, max_blocks: int) -> None:
+        self.model, self.cache, self.max_blocks = model, cache, max_blocks
+        self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
+        self.capture = GraphCapture(model, runner, self.max_batch * (4 + max_blocks))
+
+    def accepts(self, batch: int) -> bool:
+        bucket = batch_bucket(batch)
+        return bucket is not None and bucket <= self.max_batch and self.capture.accepts(bucket)
+
+    def forward(self, ids: list[int], layout: StepLayout, max_model_len: int) -> torch.Tensor:
+        """Logits [B, V] of one decode token per sequence."""
+        b, bp, w = len(ids), batch_bucket(len(ids)), self.max_blocks
+        pad = bp - b
+        staged = self.capture.stage()
+        staged[0:bp] = ids + ids[:1] * pad
+        staged[bp : 2 * bp] = layout.positions + layout.positions[:1] * pad
+        staged[2 * bp : 3 * bp] = layout.slots + layout.slots[:1] * pad
+        staged[3 * bp : 4 * bp] = layout.query_seq + [0] * pad
+        tables = staged[4 * bp : 4 * bp + bp * w].reshape(bp, w)
+        tables[:] = 0
+        for row, table in enumerate(layout.tables):
+            tables[row, : len(table)] = table
+        span = span_bucket(layout.max_span, max_model_len)
+
+        def forward_static(inputs: torch.Tensor) -> torch.Tensor:
+            ids_, positions, slots, query_seq = inputs[: 4 * bp].view(4, bp)
+            step = PagedStep(self.cache, positions, slots, query_seq, inputs[4 * bp :].view(bp, w), span)
+            return self.model.forward_batch(ids_, step, None, None)  # [bp, V]
+
+        return self.capture.run((bp, span), 4 * bp + bp * w, b, None, forward_static)[:b]

@@ -1,0 +1,257 @@
+"""Stream a local HF safetensors checkpoint into an ExpertStore (routed experts) and a CausalLM
+(everything else), one tensor at a time, so the model is never held twice in RAM or on the GPU.
+
+Order: (0) map every tensor name through the family's rules, failing on unknown names before
+reading any data; (1) stream routed experts into the store; (2) let the caller build the
+ExpertRunner over the filled store; (3) build the model around it on the device and stream the
+remaining tensors into its parameters. Any missing, unexpected, duplicated or mis-shaped tensor
+raises LoadError naming it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moe_serve.engine.experts.routing import ExpertRunner
+from moe_serve.engine.experts.store import ExpertStore
+from moe_serve.engine.models.blocks import CausalLM
+from moe_serve.engine.models.config import ModelConfig
+from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
+from moe_serve.engine.models.registry import FAMILIES
+
+log = logging.getLogger(__name__)
+RunnerFactory = Callable[[ExpertStore, ModelConfig], ExpertRunner]
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
+_EXPERT_PARTS = ("gate", "up", "down")
+
+
+class LoadError(ValueError):
+    """The checkpoint does not match the model its config.json describes."""
+
+
+class LoadedModel(NamedTuple):
+    model: CausalLM
+    store: ExpertStore | None  # None for dense models
+    config: ModelConfig
+
+
+@dataclass(frozen=True)
+class _Target:
+    hf_name: str
+    file: Path
+    ours: str  # parameter name, or "expert.<part>"
+    part: str | None
+    layer: int | None  # decoder layer from {L}
+    expert: int | None  # from {E}; None for fused expert tensors
+
+    @property
+    def is_expert(self) -> bool:
+        return self.ours.startswith(EXPERT_PREFIX)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -> torch.dtype:
+    """None -> bf16 on cuda, fp32 elsewhere; names like 'bf16' or 'float32' accepted."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None:
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} not in {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise LoadError(f"{config_file} not found")
+    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir: the shards an index names, or model.safetensors."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = [path / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise LoadError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    for file in files:
+        if not file.is_file():
+            raise LoadError(f"shard {file} named by the index is missing")
+    return files
+
+
+def load_model(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | str | None = None,
+    *,
+    runner_factory: RunnerFactory | None = None,
+    progress: bool = True,
+    expert_quant: str = "none",
+) -> LoadedModel:
+    """Load a local HF checkpoint dir; runner_factory(store, config) is required for MoE models.
+    `expert_quant`: the format the routed experts are encoded in as they stream into the store
+    (moe_serve/engine/experts/formats/); every other weight keeps `dtype`."""
+    config = read_config(path)
+    dtype = resolve_dtype(dtype, device)
+    if config.is_moe and runner_factory is None:
+        raise ValueError(f"{config.architecture} is an MoE model: pass runner_factory")
+    rules = FAMILIES[config.architecture].rules
+    files = checkpoint_files(path)
+    targets = _plan(files, rules)
+    log.info("loading weights: %d tensors from %d files in %s", len(targets), len(files), path)
+    started = time.monotonic()
+    # a bar only on a terminal (disable=None): in a log file its carriage returns are noise
+    with tqdm(total=len(targets), desc="loading weights", unit="tensor", disable=None if progress else True) as bar:
+        store = runner = None
+        if config.is_moe:
+            layout = config.expert_layout(dtype, expert_quant)
+            store = ExpertStore.for_device(config.num_moe_layers, config.num_experts, layout, device)
+            _load_experts(store, config, rules, [t for t in targets if t.is_expert], bar)
+            runner = runner_factory(store, config)
+        model = CausalLM(config, runner, device=device, dtype=dtype)
+        _load_params(model, config, rules, [t for t in targets if not t.is_expert], bar)
+    log.info("weights loaded in %.1f s", time.monotonic() - started)
+    return LoadedModel(model.eval(), store, config)
+
+
+def _compile(rule: TensorRule) -> re.Pattern[str]:
+    pattern = re.escape(rule.hf).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+    return re.compile(pattern + "$")
+
+
+def _plan(files: list[Path], rules: tuple[TensorRule, ...]) -> list[_Target]:
+    """Every tensor name in the checkpoint mapped to its target; unknown names fail here, before any data is read."""
+    compiled = [(rule, _compile(rule)) for rule in rules]
+    targets = []
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            targets += [_match(name, file, compiled) for name in f.keys()]
+    return targets
+
+
+def _match(name: str, file: Path, rules: list[tuple[TensorRule, re.Pattern[str]]]) -> _Target:
+    for rule, pattern in rules:
+        m = pattern.match(name)
+        if m:
+            groups = m.groupdict()
+            layer = int(groups["L"]) if "L" in groups else None
+            expert = int(groups["E"]) if "E" in groups else None
+            ours = rule.ours.replace("{L}", str(layer))
+            return _Target(name, file, ours, rule.part, layer, expert)
+    raise LoadError(f"unexpected tensor {name!r} in {file.name}: no rule of this family maps it")
+
+
+def _tensors(targets: list[_Target], bar: tqdm) -> Iterator[tuple[_Target, torch.Tensor]]:
+    """Read targets one tensor at a time, opening each file once."""
+    by_file: dict[Path, list[_Target]] = {}
+    for target in targets:
+        by_file.setdefault(target.file, []).append(target)
+    for file, file_targets in by_file.items():
+        with safe_open(file, framework="pt") as f:
+            for target in file_targets:
+                yield target, f.get_tensor(target.hf_name)
+                bar.update()
+
+
+def _load_experts(
+    store: ExpertStore, config: ModelConfig, rules: tuple[TensorRule, ...], targets: list[_Target], bar: tqdm
+) -> None:
+    filled: set[tuple[int, int, str]] = set()
+    for target, tensor in _tensors(targets, bar):
+        moe = config.moe_index(target.layer)
+        if moe is None:
+            raise LoadError(f"unexpected tensor {target.hf_name!r}: layer {target.layer} is not an MoE layer")
+        part = target.ours.removeprefix(EXPERT_PREFIX)
+        experts = range(config.num_experts) if target.expert is None else [target.expert]
+        if target.expert is not None and target.expert >= config.num_experts:
+            raise LoadError(f"unexpected tensor {target.hf_name!r}: expert {target.expert} >= {config.num_experts}")
+        keys = {(moe, e, p) for e in experts for p in (("gate", "up") if part == "gate_up" else (part,))}
+        if keys & filled:
+            raise LoadError(f"duplicate tensor {target.hf_name!r}: its experts were already loaded")
+        filled |= keys
+        try:
+            if target.expert is None:
+                store.put_fused(moe, **{part: tensor})
+            else:
+                store.put(moe, target.expert, **{part: tensor})
+        except ValueError as e:
+            raise LoadError(f"tensor {target.hf_name!r}: {e}") from None
+    expected = {(m, e, p) for m in range(config.num_moe_layers) for e in range(config.num_experts) for p in _EXPERT_PARTS}
+    missing = sorted(expected - filled)
+    if missing:
+        m, e, p = missing[0]
+        rule = next(r for r in rules if r.ours == EXPERT_PREFIX + p and "{E}" in r.hf)
+        name = rule.hf.replace("{L}", str(config.moe_layers[m])).replace("{E}", str(e))
+        raise LoadError(f"missing tensor {name!r} ({len(missing)} expert weights missing)")
+
+
+def _part_rows(config: ModelConfig, param: torch.Tensor, part: str | None) -> slice:
+    """Rows of a fused parameter that one HF tensor fills."""
+    if part is None:
+        return slice(None)
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    half = param.shape[0] // 2
+    starts = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, half), "up": (half, half)}
+    start, size = starts[part]
+    return slice(start, start + size)
+
+
+def _load_params(
+    model: CausalLM, config: ModelConfig, rules: tuple[TensorRule, ...], targets: list[_Target], bar: tqdm
+) -> None:
+    params = dict(model.named_parameters())
+    filled: set[tuple[str, str | None]] = set()
+    for target, tensor in _tensors(targets, bar):
+        if config.tie_word_embeddings and target.ours == "lm_head.weight":
+            continue  # some checkpoints also store the tied copy
+        if target.ours not in params:
+            raise LoadError(f"unexpected tensor {target.hf_name!r}: this config has no {target.ours}")
+        key = (target.ours, target.part)
+        if key in filled:
+            raise LoadError(f"duplicate tensor {target.hf_name!r}")
+        dst = params[target.ours][_part_rows(config, params[target.ours], target.part)]
+        if dst.shape != tensor.shape:
+            raise LoadError(f"tensor {target.hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        filled.add(key)
+    missing = sorted(_expected_params(params) - filled, key=str)
+    if missing:
+        names = [_hf_name(name, part, rules) for name, part in missing[:5]]
+        raise LoadError(f"missing tensors {', '.join(names)} ({len(missing)} missing)")
+
+
+def _hf_name(ours: str, part: str | None, rules: tuple[TensorRule, ...]) -> str:
+    """The first HF name the rules map to our (parameter, part): to name a missing tensor."""
+    layer = re.match(r"layers\.(\d+)\.", ours)
+    for rule in rules:
+        candidate = rule.ours.replace("{L}", layer.group(1)) if layer else rule.ours
+        if candidate == ours and rule.part == part:
+            return repr(rule.hf.replace("{L}", layer.group(1)) if layer else rule.hf)
+    return f"{ours}[{part}]"
+
+
+def _expected_params(params: dict[str, torch.Tensor]) -> set[tuple[str, str | None]]:
+    expected: set[tuple[str, str | None]] = set()
+    for name in params:
+        if ".attn.qkv." in name:
+            expected |= {(name, p) for p in "qkv"}
+        elif ".gate_up." in name:
+            expected |= {(name, "gate"), (name, "up")}
+        else:
+            expected.add((name, None))
+    return expected

@@ -1,0 +1,93 @@
+"""ModelRunner: one scheduled step on the device: every chunk's tokens in one forward, one batched sample.
+
+The scheduler decides which tokens of which sequences; this turns them into the forward's flat
+token ids, positions and KV slots (moe_serve/engine/kv/paged_cache.py), keeps the logits of only the
+rows that sample, and samples them all at once (moe_serve/engine/sampler.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from moe_serve.engine.graphs import GraphedBatchDecode
+from moe_serve.engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
+from moe_serve.engine.messages import TokenLogprob
+from moe_serve.engine.models.blocks import CausalLM
+from moe_serve.engine.prompt_logprobs import score_prompt_tokens
+from moe_serve.engine.sampler import SamplingBatch, SamplingRow, sample
+from moe_serve.engine.scheduler import ScheduledChunk
+from moe_serve.engine.structured import MaskFiller
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token: int
+    logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    sampled: Sampled | None  # the token after the chunk; None for a prefill chunk short of its prompt's end
+    prompt_logprobs: list[TokenLogprob]  # of the prompt tokens its positions score (moe_serve/engine/prompt_logprobs.py)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: PagedKVCache, max_model_len: int,
+                 on_forward: Callable[[Sequence[int]], None] | None = None,
+                 graphs: GraphedBatchDecode | None = None) -> None:
+        self.model, self.cache, self.max_model_len = model, cache, max_model_len
+        self.device = model.device
+        self.on_forward = on_forward  # told the positions of each forward's tokens (routing traces)
+        self.graphs = graphs  # decode-only steps replay CUDA graphs when set
+        self.masks = MaskFiller()  # constrained rows' token masks (moe_serve/engine/structured.py)
+
+    def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+        """Run chunks' tokens; per chunk, the token sampled after it and the prompt logprobs it scored."""
+        ids = [t for c in chunks for t in c.token_ids]
+        layout = StepLayout.of([(c.seq.block_table, c.start, c.num_tokens) for c in chunks], self.cache.block_size)
+        if self.on_forward is not None:
+            self.on_forward(layout.positions)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        scored = [c.seq.unscored_prompt_positions(c.start, c.start + c.num_tokens) for c in chunks]
+        offsets = list(accumulate((c.num_tokens for c in chunks), initial=0))  # [C + 1] each chunk's first row
+        score_rows = [offsets[i] + p - c.start for i, c in enumerate(chunks) for p in scored[i]]
+        if (self.graphs is not None and len(sampling) == len(ids) and not score_rows
+                and self.graphs.accepts(len(ids))):
+            logits = self.graphs.forward(ids, layout, self.max_model_len)  # [R, V]: decodes only
+        else:
+            rows = [offsets[i + 1] - 1 for i in sampling] + score_rows
+            logits = self._forward_eagerly(chunks, ids, layout, rows)  # [R + P, V]
+        prompt_logprobs = self._score_prompts(chunks, scored, logits[len(sampling):]) if score_rows else {}
+        sampled: list[Sampled | None] = [None] * len(chunks)
+        if sampling:
+            batch = SamplingBatch.build([SamplingRow(chunks[i].seq.params, chunks[i].seq.seed,
+                                                     chunks[i].seq.output_ids, chunks[i].seq.prompt_ids)
+                                         for i in sampling], self.device)
+            # the grammar masks fill on the host while the device still runs the forward
+            allowed = self.masks.token_mask([chunks[i].seq.grammar for i in sampling], self.device)
+            tokens, logprobs = sample(logits[:len(sampling)].float(), batch, allowed).to_host()
+            for i, token, logprob in zip(sampling, tokens, logprobs):
+                sampled[i] = Sampled(token, logprob)
+        return [ChunkResult(s, prompt_logprobs.get(i, [])) for i, s in enumerate(sampled)]
+
+    @staticmethod
+    def _score_prompts(chunks: list[ScheduledChunk], scored: list[range],
+                       logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """Chunk index -> the prompt logprobs of its scored positions; logits [P, V] in that order."""
+        targets = [c.seq.prompt_ids[p + 1] for c, positions in zip(chunks, scored) for p in positions]
+        tops = [c.seq.params.prompt_logprobs or 0 for c, positions in zip(chunks, scored) for _ in positions]
+        flat = score_prompt_tokens(logits, targets, tops)
+        starts = list(accumulate(map(len, scored), initial=0))
+        return {i: flat[starts[i]:starts[i + 1]] for i, positions in enumerate(scored) if positions}
+
+    def _forward_eagerly(self, chunks: list[ScheduledChunk], ids: list[int], layout: StepLayout,
+                         rows: list[int]) -> torch.Tensor:
+        """The logits of the batch's rows `rows` [R] (flat token indices)."""
+        paged = PagedStep.build(self.cache, layout, self.device)
+        logit_rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)  # [R]
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)  # [T]
+        return self.model.forward_batch(input_ids, paged, [(c.start, c.num_tokens) for c in chunks],
+                                        logit_rows)  # [R, V]

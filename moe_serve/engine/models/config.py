@@ -1,0 +1,98 @@
+"""The model's shape, read once from the checkpoint's config.json and frozen."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moe_serve.engine.experts.formats import expert_format
+from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.models.registry import family_for
+from moe_serve.engine.models.rope import RopeConfig
+
+QK_NORM_KINDS = ("none", "per_head", "full")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    intermediate_size: int = 0  # dense MLP width; 0 when every layer is MoE
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: str = "none"  # none | per_head (RMSNorm over head_dim) | full (over the whole q / k projection)
+    clip_qkv: float | None = None
+    attention_windows: tuple[int | None, ...] = ()  # per layer: sliding window, None = full causal
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # MoE (all zero / empty for dense models)
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()  # decoder layer indices that are MoE, in order
+
+    def __post_init__(self) -> None:
+        if self.qk_norm not in QK_NORM_KINDS:
+            raise ValueError(f"qk_norm {self.qk_norm!r} not in {QK_NORM_KINDS}")
+        if len(self.attention_windows) != self.num_layers:
+            raise ValueError(f"attention_windows has {len(self.attention_windows)} entries for {self.num_layers} layers")
+        if self.moe_layers and not (0 < self.top_k <= self.num_experts):
+            raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
+            raise ValueError("dense layers present but intermediate_size is 0")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Build from a config.json dict; raises ValueError for unsupported architectures or options."""
+        family = family_for(hf)
+        num_layers = hf["num_hidden_layers"]
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        common: dict[str, Any] = dict(
+            architecture=next(a for a in hf["architectures"] if a in family.architectures),
+            family=family.name,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_windows=(None,) * num_layers,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+        return cls(**{**common, **family.config_fields(hf)})
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def moe_index(self, layer: int) -> int | None:
+        """Index among the MoE layers (LayerRouting.layer, ExpertStore's first axis); None if dense."""
+        return self.moe_layers.index(layer) if layer in self.moe_layers else None
+
+    def expert_layout(self, dtype: torch.dtype, quant: str = "none") -> ExpertLayout:
+        """One routed expert's row: computed in dtype, stored in the --expert-quant format `quant`."""
+        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(quant, dtype))

@@ -1,0 +1,29 @@
+"""HF `architectures` -> model family."""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from moe_serve.engine.models.family import Family
+from moe_serve.engine.models.llama import LLAMA, MISTRAL
+from moe_serve.engine.models.mixtral import MIXTRAL
+from moe_serve.engine.models.olmoe import OLMOE
+from moe_serve.engine.models.qwen2 import QWEN2
+from moe_serve.engine.models.qwen2_moe import QWEN2_MOE
+from moe_serve.engine.models.qwen3 import QWEN3
+from moe_serve.engine.models.qwen3_moe import QWEN3_MOE
+
+FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
+    {arch: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)
+     for arch in family.architectures}
+)
+
+
+def family_for(hf: dict[str, Any]) -> Family:
+    """The family of a config.json dict, from its `architectures` list."""
+    for arch in hf.get("architectures") or ():
+        if arch in FAMILIES:
+            return FAMILIES[arch]
+    raise ValueError(
+        f"unsupported architectures {hf.get('architectures')!r}; supported: {', '.join(sorted(FAMILIES))}"
+    )

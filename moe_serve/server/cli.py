@@ -1,0 +1,268 @@
+"""moe-serve: flags (optionally from a YAML --config), start-up log, then uvicorn."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import errno
+import logging
+import math
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import uvicorn
+import yaml
+
+from moe_serve.engine.cli import add_engine_arguments, engine_config_from_args, finish_engine_args, model_given
+from moe_serve.engine.cli_flags import ENV_HELP, DefaultsHelpFormatter, env_argv
+from moe_serve.engine.cli_flags import positive_int as _positive_int
+from moe_serve.engine.config import ConfigError, EngineConfig
+from moe_serve.engine.logging_config import adopt_transformers_logging
+from moe_serve.server.engine_client import EngineClient
+from moe_serve.server.reasoning import REASONING_PARSERS
+from moe_serve.server.settings import SamplingDefaults, ServerSettings, read_chat_template
+from moe_serve.server.tool_parsers import TOOL_PARSERS
+
+log = logging.getLogger("moe_serve")
+PRESETS = Path(__file__).resolve().parents[1] / "configs"  # package data: one YAML per preset
+# Idle keep-alive connections are closed after this long. It must outlast the clients' own idle
+# expiry (httpx, so the OpenAI SDK: 5 s): at uvicorn's 5 s both ends expire together, and a request
+# sent on the connection just as the server closes it fails with a ReadError without reaching the app.
+KEEP_ALIVE_SECONDS = 10
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moe-serve", formatter_class=DefaultsHelpFormatter,
+        description=f"OpenAI-compatible server for MoE models. {ENV_HELP} Precedence: command line > --config "
+                    "file > environment > default.")
+    parser.add_argument("--config", metavar="FILE|PRESET",
+                        help="YAML of flag values (keys are flag names without '--'), or the name of a preset "
+                             f"shipped with the package ({', '.join(preset_names())}); command-line flags win "
+                             "(default: none)")
+    add_engine_arguments(parser)
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="tokenizer folder (default: the model's folder)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="Jinja chat template, a file or the template itself, instead of the checkpoint's "
+                             "(default: the checkpoint's)")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help="sampling defaults for fields a request leaves unset: auto reads the model's "
+                             "generation_config.json, vllm uses the OpenAI defaults, DIR reads DIR's")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model's folder)")
+    parser.add_argument("--api-key", default=os.environ.get("MOE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $MOE_API_KEY; unset = open)")
+    parser.add_argument("--max-queue", type=_positive_int, default=64,
+                        help="engine requests in flight before new ones get 429")
+    parser.add_argument("--max-tokens-cap", type=_positive_int, default=None,
+                        help="largest max_tokens a request may ask for (default: what the context allows)")
+    parser.add_argument("--max-body-bytes", type=_positive_int, default=4 * 1024 * 1024,
+                        help="larger request bodies get 413")
+    parser.add_argument("--metrics-require-key", action="store_true", help="/metrics needs the API key too")
+    parser.add_argument("--drain-seconds", type=float, default=ServerSettings.drain_seconds,
+                        help="on SIGTERM, how long requests in flight get to finish before they end with a 503")
+    parser.add_argument("--allowed-origins", type=_comma_list, default=(), metavar="ORIGIN,...",
+                        help="origins whose web pages may call this API from a browser (CORS), e.g. "
+                             "http://localhost:3000, or * for any; default: none, since with no API key a page "
+                             "the user visits could otherwise use the server (and with one, read the answers)")
+    parser.add_argument("--allowed-methods", type=_comma_list, default=("*",), metavar="METHOD,...",
+                        help="HTTP methods an allowed origin may use (default: *; the origin list is the gate)")
+    parser.add_argument("--allowed-headers", type=_comma_list, default=("*",), metavar="HEADER,...",
+                        help="request headers an allowed origin may send (default: *: the OpenAI SDKs send "
+                             "Authorization and several x-stainless-* headers)")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="reads tool calls out of the model's text for tool_choice 'auto': hermes (Qwen2.5, "
+                             "Qwen3, the embedded default model), mistral, llama3_json, deepseek_v3 (default: none, "
+                             "and 'auto' is a 400; 'required' and named functions work without one)")
+    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                        help="puts a chat answer's <think> section into reasoning_content: deepseek_r1 (the "
+                             "template opens it), qwen3 (the answer opens it) (default: none, all text is content)")
+    return parser
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    """"a, b" -> ("a", "b"). A YAML list in --config would arrive as its Python text: refused, not misread."""
+    if text.lstrip().startswith("["):
+        raise argparse.ArgumentTypeError(f"give a comma-separated string, not a list: {text}")
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Flags from the environment, then the --config file, then the command line: later ones win."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from_env = env_argv(parser)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    config_file = pre.parse_known_args(from_env + argv)[0].config
+    from_file = [] if config_file is None else config_argv(config_path(config_file), parser)
+    return finish_engine_args(parser, parser.parse_args(from_env + from_file + argv), argv)
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def config_path(value: str) -> Path:
+    """--config's file, or a shipped preset named without its folder and suffix: an installed wheel's
+    presets live in site-packages, where nobody should have to look them up."""
+    path = Path(value)
+    preset = PRESETS / f"{value}.yaml"
+    return preset if not path.exists() and preset.is_file() else path
+
+
+def config_argv(path: Path, parser: argparse.ArgumentParser) -> list[str]:
+    """A YAML mapping as the flags it stands for, so argparse checks types and choices once."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        parser.error(f"--config {path}: {exc}")
+    if not isinstance(data, dict):
+        parser.error(f"--config {path}: expected a mapping of flag names to values")
+    actions = {opt[2:]: a for a in parser._actions for opt in a.option_strings if opt.startswith("--")}
+    argv: list[str] = []
+    for key, value in data.items():
+        action = actions.get(str(key))
+        if action is None or key in ("config", "help", "version"):
+            parser.error(f"--config {path}: unknown key '{key}' (keys are moe-serve flag names without '--')")
+        if value is None:
+            continue
+        if action.nargs == 0:  # a switch such as --trust-remote-code
+            if not isinstance(value, bool):
+                parser.error(f"--config {path}: '{key}' is a switch; use true or false")
+            argv += [f"--{key}"] if value else []
+        else:
+            argv += [f"--{key}", _flag_value(value)]
+    return argv
+
+
+def _flag_value(value: object) -> str:
+    """YAML 1.1 reads on/off/yes/no as booleans; give flags such as --cuda-graphs their word back."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(
+        served_model_name=args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
+        api_key=args.api_key or None, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
+        metrics_require_key=args.metrics_require_key, max_body_bytes=args.max_body_bytes,
+        drain_seconds=args.drain_seconds, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser, tokenizer=args.tokenizer,
+        chat_template=None if args.chat_template is None else read_chat_template(args.chat_template),
+        sampling_defaults=SamplingDefaults.read(args.generation_config, args.model),
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers,
+    )
+
+
+def startup_checks(args: argparse.Namespace, engine_config: EngineConfig) -> socket.socket:
+    """Everything that can fail before the weights load, each failure a ConfigError of one line; then the
+    listening socket, bound now so that a port in use fails here and nothing takes it meanwhile."""
+    if args.config is not None and not model_given(args):
+        raise ConfigError(f"--config {args.config} names no model, and a preset is made for one checkpoint: "
+                          f"pass its folder (moe-serve DIR --config {args.config})")
+    from moe_serve.engine.preflight import check_engine_config, check_tokenizer_dir  # torch: not for --help
+
+    check_engine_config(engine_config)
+    check_tokenizer_dir(args.tokenizer or args.model, "--tokenizer" if args.tokenizer else "--model")
+    return bind_listener(args.host, args.port)
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use: stop what holds it or pass --port") from exc
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
+def set_engine_threads() -> None:
+    """torch's default CPU thread pool spins against the server process (per-token latency swung 4-208 ms on
+    a small machine): when OMP_NUM_THREADS is unset, give the engine process the usable cores less one for
+    the HTTP server. The engine is spawned later and inherits the variable."""
+    if "OMP_NUM_THREADS" in os.environ:
+        log.info("OMP_NUM_THREADS=%s from the environment", os.environ["OMP_NUM_THREADS"])
+        return
+    cores = usable_cores()
+    threads = max(1, cores - 1)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    log.info("OMP_NUM_THREADS unset: the engine uses %d torch threads (%d usable cores, one left to the HTTP "
+             "server); set OMP_NUM_THREADS to choose", threads, cores)
+
+
+def usable_cores(cgroup_cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (a container's
+    --cpus sets a quota, not an affinity)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = cgroup_cpu_max.read_text().split()
+    except (OSError, ValueError):
+        return cores
+    return cores if quota == "max" else max(1, min(cores, math.ceil(int(quota) / int(period))))
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose shutdown (it stops accepting first) gives requests in flight `drain_seconds`,
+    then fails the rest with a 503 instead of cutting their connections mid-response."""
+
+    def __init__(self, config: uvicorn.Config, engine: EngineClient, drain_seconds: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_seconds = engine, drain_seconds
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = asyncio.get_running_loop().call_later(
+            self.drain_seconds, self.engine.fail_in_flight, "the server is shutting down; retry the request")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    engine_config = engine_config_from_args(args)
+    engine_config.logging.apply()
+    try:
+        listener = startup_checks(args, engine_config)
+        settings = server_settings_from_args(args)
+    except ConfigError as exc:
+        sys.exit(f"moe-serve: {exc}")
+    set_engine_threads()
+    from moe_serve.server.app import create_app  # after the checks: importing it pulls in transformers
+
+    adopt_transformers_logging()
+    log.info("server settings: %s", settings.describe())
+    log.info("engine settings: %s", dataclasses.asdict(engine_config))
+
+    def stop() -> None:
+        server.should_exit = True
+
+    try:
+        app = create_app(settings, engine_config, on_fatal=stop)
+    except (OSError, ValueError) as exc:  # the tokenizer's files are there but transformers cannot read them
+        sys.exit(f"moe-serve: cannot load the tokenizer in {settings.tokenizer or engine_config.model}: {exc}")
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=engine_config.logging.level,
+                            log_config=engine_config.logging.dict_config(),
+                            timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
+    server = DrainingServer(config, app.state.moe.engine, settings.drain_seconds)
+    log.info("OpenAI API at http://%s:%d/v1, Prometheus metrics at http://%s:%d/metrics", settings.host,
+             settings.port, settings.host, settings.port)
+    # uvicorn re-raises a SIGTERM it handled once its graceful shutdown is done, which would make a
+    # clean stop exit -15; set just before run(), this handler only ever sees that re-raise.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run(sockets=[listener])
+    fatal = app.state.moe.engine.fatal_error
+    if fatal is not None:
+        log.error("the engine could not start: %s", fatal)
+        return 1
+    return 0

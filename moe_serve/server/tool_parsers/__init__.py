@@ -1,0 +1,15 @@
+"""Tool-call parsers, one per model family's output format, chosen with --tool-call-parser."""
+from __future__ import annotations
+
+from moe_serve.server.tool_parsers.base import ToolParser
+from moe_serve.server.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from moe_serve.server.tool_parsers.hermes import HermesParser
+from moe_serve.server.tool_parsers.llama3_json import Llama3JsonParser
+from moe_serve.server.tool_parsers.mistral import MistralParser
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "mistral": MistralParser,
+    "llama3_json": Llama3JsonParser,
+    "deepseek_v3": DeepSeekV3Parser,
+}

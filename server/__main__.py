@@ -1,4 +1,0 @@
-"""`python -m server` is `moe-serve`."""
-from server.cli import main
-
-raise SystemExit(main())
