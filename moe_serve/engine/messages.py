@@ -89,6 +89,15 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class StepOutputs:
+    """The RequestOutputs of one pass of the engine loop (a step, and any rejections or aborts before
+    it), sent as one message: the server pays one pickle, one pipe write and one event-loop wake-up
+    per step rather than per sequence."""
+
+    outputs: tuple[RequestOutput, ...]
+
+
+@dataclass(frozen=True)
 class EngineReady:
     model_name: str
     max_model_len: int

@@ -1,5 +1,7 @@
 """The engine process: build EngineCore, then loop take messages -> step -> send outputs.
 
+A pass's outputs (one per sequence stepped, plus rejections and aborts) leave as one StepOutputs.
+
 Runs in a spawned process with two multiprocessing queues and nothing else: no sockets, no
 HTTP, no JSON. It blocks on its inbox only when it has nothing to do, and then only briefly so
 MetricsSnapshots keep flowing and it notices when the server process is gone.
@@ -14,7 +16,14 @@ import time
 from typing import TYPE_CHECKING
 
 from moe_serve.engine.config import EngineConfig
-from moe_serve.engine.messages import AbortRequest, EngineFailed, GenerateRequest, Shutdown
+from moe_serve.engine.messages import (
+    AbortRequest,
+    EngineFailed,
+    GenerateRequest,
+    RequestOutput,
+    Shutdown,
+    StepOutputs,
+)
 
 if TYPE_CHECKING:
     from moe_serve.engine.core import EngineCore
@@ -49,13 +58,19 @@ class EngineLoop:
     def __init__(self, core: EngineCore, inbox: mp.Queue, outbox: mp.Queue) -> None:
         self.core, self.inbox, self.outbox = core, inbox, outbox
         self._last_snapshot = 0.0
+        self._outputs: list[RequestOutput] = []  # this pass's, sent together
 
     def run(self) -> None:
         while self.take_messages():
             if self.core.has_unfinished():
-                for output in self.core.step():
-                    self.outbox.put(output)
+                self._outputs.extend(self.core.step())
+            self.send_outputs()
             self.maybe_snapshot()
+
+    def send_outputs(self) -> None:
+        if self._outputs:
+            self.outbox.put(StepOutputs(tuple(self._outputs)))
+            self._outputs = []
 
     def take_messages(self) -> bool:
         """Handle everything queued; wait only when idle. False once it is time to exit."""
@@ -74,11 +89,11 @@ class EngineLoop:
         if isinstance(message, GenerateRequest):
             rejected = self.core.add_request(message)
             if rejected is not None:
-                self.outbox.put(rejected)
+                self._outputs.append(rejected)
         elif isinstance(message, AbortRequest):
             final = self.core.abort_request(message.request_id)
             if final is not None:
-                self.outbox.put(final)
+                self._outputs.append(final)
 
     def maybe_snapshot(self) -> None:
         now = time.monotonic()

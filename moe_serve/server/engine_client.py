@@ -1,9 +1,10 @@
 """The server's side of the engine process: spawn it, route its outputs, restart it when it dies.
 
 A supervisor thread owns the process and its two multiprocessing queues. It hands each
-RequestOutput to the event loop, where it lands in the asyncio queue of the HTTP request that
-owns it. If the process dies, every request in flight gets EngineLost, /health goes 503, and a
-new process is started (with back-off) while new requests are refused with 503.
+StepOutputs (one engine step's RequestOutputs) to the event loop in one call, where each output
+lands in the OutputSink of the HTTP request that owns it. If the process dies, every request in
+flight gets EngineLost, /health goes 503, and a new process is started (with back-off) while new
+requests are refused with 503.
 """
 from __future__ import annotations
 
@@ -22,25 +23,16 @@ from moe_serve.engine.messages import (
     EngineReady,
     GenerateRequest,
     MetricsSnapshot,
-    RequestOutput,
     Shutdown,
+    StepOutputs,
 )
 from moe_serve.engine.process import run_engine
+from moe_serve.server.output_sink import EngineLost, OutputSink
 
 log = logging.getLogger("moe_serve")
 
 POLL_SECONDS = 0.2  # how often the supervisor checks that the process is alive when it is quiet
 MAX_BACKOFF_SECONDS = 30.0
-
-
-@dataclass(frozen=True)
-class EngineLost:
-    """Put in a request's queue when the engine process died under it."""
-
-    message: str
-
-
-Sink = asyncio.Queue  # of RequestOutput | EngineLost
 
 
 class EngineUnavailable(Exception):
@@ -69,7 +61,7 @@ class EngineClient:
         self._config = config
         self._on_snapshot, self._on_restart, self._on_fatal = on_snapshot, on_restart, on_fatal
         self._ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, locks or CUDA state
-        self._routes: dict[str, Sink] = {}  # request id -> its HTTP request's queue (event loop only)
+        self._routes: dict[str, OutputSink] = {}  # request id -> its HTTP request's sink (event loop only)
         self._engine: _Engine | None = None
         self._ready: EngineReady | None = None
         self._closing = threading.Event()
@@ -90,7 +82,7 @@ class EngineClient:
         self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
         self._thread.start()
 
-    def submit(self, requests: list[GenerateRequest], sink: Sink) -> None:
+    def submit(self, requests: list[GenerateRequest], sink: OutputSink) -> None:
         """Send requests to the engine; their outputs arrive in sink. Call on the event loop."""
         engine = self._engine
         if self._ready is None or engine is None:
@@ -151,7 +143,7 @@ class EngineClient:
                     return _Ended(ready, f"engine process {engine.process.pid} exited with code "
                                          f"{engine.process.exitcode}")
                 continue
-            if isinstance(message, RequestOutput):
+            if isinstance(message, StepOutputs):
                 self._call_soon(self._deliver, message)
             elif isinstance(message, MetricsSnapshot):
                 self._on_snapshot(message)
@@ -195,13 +187,14 @@ class EngineClient:
         log.info("engine ready: %s (max_model_len %d, vocab %d) %s", ready.model_name, ready.max_model_len,
                  ready.vocab_size, ready.settings)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        sink = self._routes.get(output.request_id)
-        if sink is None:  # aborted or failed already; a late output is dropped
-            return
-        if output.finish_reason is not None:
-            del self._routes[output.request_id]
-        sink.put_nowait(output)
+    def _deliver(self, step: StepOutputs) -> None:
+        for output in step.outputs:
+            sink = self._routes.get(output.request_id)
+            if sink is None:  # aborted or failed already; a late output is dropped
+                continue
+            if output.finish_reason is not None:
+                del self._routes[output.request_id]
+            sink.put_nowait(output)
 
     def fail_in_flight(self, message: str) -> None:
         """End every request in flight with a 503 carrying message and abort it in the engine

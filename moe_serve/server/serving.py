@@ -1,8 +1,11 @@
 """From a Plan to an HTTP response: submit to the engine, decode each choice, answer.
 
 Streamed and non-streamed responses run the same per-choice decoding; they differ only in
-when the deltas are written. Whatever ends a response (done, stop string, client gone, engine
-died), Generation.close() aborts what the engine is still generating and records metrics.
+when the deltas are written. A stream that falls behind the engine takes what queued up for a
+choice as one merged output (moe_serve/server/output_sink.py), so it writes one chunk for many
+tokens instead of falling further behind. Whatever ends a response (done, stop string, client
+gone, engine died), Generation.close() aborts what the engine is still generating and records
+metrics.
 """
 from __future__ import annotations
 
@@ -20,9 +23,10 @@ from sse_starlette import EventSourceResponse
 
 from moe_serve.engine.messages import RequestOutput
 from moe_serve.server.choice import ChoiceDecoder, ChoiceDelta, EngineRequestError, TextOptions
-from moe_serve.server.engine_client import EngineClient, EngineLost, EngineUnavailable
+from moe_serve.server.engine_client import EngineClient, EngineUnavailable
 from moe_serve.server.errors import CLIENT_CLOSED_REQUEST, APIError, engine_unavailable
 from moe_serve.server.metrics import ServerMetrics
+from moe_serve.server.output_sink import EngineLost, OutputSink
 from moe_serve.server.prompts import Plan
 from moe_serve.server.reasoning import ReasoningStream
 from moe_serve.server.responses import ResponseFormat, usage
@@ -63,7 +67,7 @@ class Generation:
                                                     tool_calling.stream() if tool_calling else None,
                                                     ReasoningStream(reasoning_parser) if reasoning_parser else None)
                         for i, r in enumerate(plan.requests)}
-        self.sink: asyncio.Queue = asyncio.Queue()
+        self.sink = OutputSink()
         self.arrival = time.perf_counter()
         self._first_token_seen = False
         self._failure: str | None = None  # "abort" or "error" once the response ended early
@@ -88,13 +92,15 @@ class Generation:
         return usage(self.plan.prompt_tokens, self.completion_tokens)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
-        """Each choice's deltas as the engine produces them, until every choice has finished."""
+        """Each choice's deltas as the engine produces them, until every choice has finished: one
+        delta per choice for whatever arrived since the last look."""
         while any(c.finish_reason is None for c in self.choices.values()):
-            item = await self.sink.get()
-            if isinstance(item, EngineLost):
-                self._failure = "error"
-                raise engine_unavailable(item.message)
-            yield self._consume(item)
+            for item in await self.sink.take():
+                if isinstance(item, EngineLost):
+                    self._failure = "error"
+                    raise engine_unavailable(item.message)
+                if self.choices[item.request_id].finish_reason is None:  # not already ended by a stop string
+                    yield self._consume(item)
 
     def _consume(self, output: RequestOutput) -> ChoiceDelta:
         choice = self.choices[output.request_id]

@@ -31,7 +31,7 @@ def test_expanded_target_keeps_its_logits(tmp_path):
     assert expanded.config.moe_intermediate_size == old + 64
     experts = expanded.model.layers[0].mlp.experts
     assert experts.down_proj.shape[-1] == old + 64
-    ids = torch.randint(0, original.config.vocab_size, (2, 32))
+    ids = torch.randint(0, original.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(expanded(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
 

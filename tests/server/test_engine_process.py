@@ -17,6 +17,7 @@ from moe_serve.engine.messages import (
     RequestOutput,
     SamplingParams,
     Shutdown,
+    StepOutputs,
 )
 from moe_serve.engine.process import run_engine
 
@@ -41,11 +42,14 @@ def spawn(monkeypatch: pytest.MonkeyPatch):
 
 
 def _until(outbox: mp.Queue, predicate, seen: list) -> object:
+    """Read messages (a StepOutputs as its RequestOutputs, in order) until one satisfies predicate."""
     while True:
         message = outbox.get(timeout=60)
-        seen.append(message)
-        if predicate(message):
-            return message
+        assert not isinstance(message, RequestOutput), "outputs travel in StepOutputs, one message per step"
+        for item in message.outputs if isinstance(message, StepOutputs) else (message,):
+            seen.append(item)
+            if predicate(item):
+                return item
 
 
 def test_generate_abort_snapshot_shutdown(spawn, tiny_model: Path) -> None:
@@ -83,3 +87,34 @@ def test_engine_that_cannot_load_says_why(spawn, tmp_path: Path) -> None:
     assert process.exitcode == 0
     with pytest.raises(queue.Empty):
         outbox.get(timeout=0.5)
+
+
+def test_one_message_per_step(spawn, tiny_model: Path) -> None:
+    """Each pass of the engine loop sends its outputs together: requests that share steps share
+    messages, a request appears at most once in each, and a rejection rides in the same kind of message."""
+    inbox, outbox, process = spawn(EngineConfig(model=str(tiny_model), max_model_len=256))
+    # queued before the engine loop starts, so its first pass takes all of them
+    for rid in ("a", "b", "c"):
+        inbox.put(GenerateRequest(rid, (1, 5, 6), SamplingParams(max_tokens=6, temperature=0)))
+    inbox.put(GenerateRequest("bad", (1, 10_000), SamplingParams(max_tokens=6)))
+    assert isinstance(outbox.get(timeout=120), EngineReady)
+    steps: list[StepOutputs] = []
+    finished: set[str] = set()
+    while finished != {"a", "b", "c", "bad"}:
+        message = outbox.get(timeout=60)
+        if isinstance(message, MetricsSnapshot):
+            continue
+        assert isinstance(message, StepOutputs)
+        steps.append(message)
+        ids = [o.request_id for o in message.outputs]
+        assert len(ids) == len(set(ids))
+        finished |= {o.request_id for o in message.outputs if o.finish_reason is not None}
+    first = {o.request_id: o for o in steps[0].outputs}
+    assert first["bad"].finish_reason == "error" and "prompt token ids" in first["bad"].error
+    assert {"a", "b", "c"} <= set(first) and all(len(first[r].new_token_ids) == 1 for r in "abc")
+    tokens = {r: [t for s in steps for o in s.outputs if o.request_id == r for t in o.new_token_ids] for r in "abc"}
+    assert tokens["a"] == tokens["b"] == tokens["c"]  # same prompt, greedy
+    assert len(tokens["a"]) == 6 and len(steps) == 6  # one message per step, not one per sequence
+    inbox.put(Shutdown())
+    process.join(30)
+    assert process.exitcode == 0

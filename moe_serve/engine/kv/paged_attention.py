@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -80,6 +81,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if paged_attention_supported(q, k_cache, v_cache):
         return paged_attention_triton(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
                                       window=window)
+    if q.device.type == "cpu":
+        return paged_attention_per_sequence(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
+                                            window=window)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
                                  window=window, max_span=max_span)
 
@@ -125,6 +129,39 @@ def _attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     probs = probs.masked_fill(~allowed.any(dim=1)[:, None, None, None], 0.0)  # padding queries get zeros
     out = torch.einsum("thgs,tshd->thgd", probs, values)  # [T, nkv, g, D]
     return out.reshape(t, nq, d).to(q.dtype)
+
+
+def paged_attention_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 block_tables: torch.Tensor, query_seq: torch.Tensor, query_pos: torch.Tensor, *,
+                                 scale: float, window: int | None) -> torch.Tensor:
+    """The CPU path: each run of one sequence's queries gathers that sequence's keys once and attends
+    with SDPA. The reference gathers every query's keys (a 1024-token prefill chunk copies 1024 x
+    1024 positions per layer, ~30 s on a CPU core); reading the runs costs a host sync, which is
+    free on a CPU and why the GPU without triton keeps the reference (CUDA graphs capture that).
+    """
+    out = torch.zeros_like(q)  # queries at negative positions (padding) stay zeros
+    seqs, positions = query_seq.tolist(), query_pos.tolist()
+    block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    start = 0
+    while start < len(seqs):
+        end = start
+        while end < len(seqs) and seqs[end] == seqs[start]:
+            end += 1
+        span = max(positions[start:end]) + 1
+        if span > 0:
+            blocks = block_tables[seqs[start], : -(-span // block_size)].long()
+            keys = k_cache[blocks].flatten(0, 1)[:span]  # [span, nkv, D]
+            values = v_cache[blocks].flatten(0, 1)[:span]
+            allowed = _allowed(query_pos[start:end], span, window)  # [L, span]
+            seen = allowed.any(dim=1)  # a padding query sees nothing: SDPA would give NaN
+            attn = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1).float(),  # [nq, L, D]
+                keys.transpose(0, 1).float().repeat_interleave(groups, dim=0),  # [nq, span, D]
+                values.transpose(0, 1).float().repeat_interleave(groups, dim=0),
+                attn_mask=allowed | ~seen[:, None], scale=scale)  # [nq, L, D]
+            out[start:end] = attn.transpose(0, 1).masked_fill(~seen[:, None, None], 0.0).to(q.dtype)
+        start = end
+    return out
 
 
 def _allowed(query_pos: torch.Tensor, span: int, window: int | None) -> torch.Tensor:

@@ -146,11 +146,22 @@ def test_padding_query_gets_zeros():
     torch.testing.assert_close(got[:-1], expected(make_problem(CASES[3])), rtol=1e-5, atol=1e-5)
 
 
-def test_dispatch_takes_torch_path_on_cpu():
+@pytest.mark.parametrize("case", CASES)
+def test_per_sequence_path_matches_the_reference(case):
+    """The CPU path (one gather per run of a sequence's queries, SDPA) against the per-query reference,
+    with the queries of several sequences interleaved and a padding query at the end."""
+    p = with_padding_query(make_problem(case))
+    got = pa.paged_attention_per_sequence(*p.args()[:6], scale=p.scale, window=p.window)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    torch.testing.assert_close(got, torch_path(p), rtol=1e-5, atol=1e-5)
+
+
+def test_dispatch_takes_the_per_sequence_path_on_cpu():
     assert not paged_attention_available("cpu")
     p = make_problem(CASES[2])
     got = paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span)
-    torch.testing.assert_close(got, torch_path(p), rtol=0, atol=0)
+    torch.testing.assert_close(got, pa.paged_attention_per_sequence(*p.args()[:6], scale=p.scale, window=p.window),
+                               rtol=0, atol=0)
 
 
 def check_interpreted(cases: list[tuple]) -> None:
