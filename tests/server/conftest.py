@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
+from moe_serve.server.tokenizer import Tokenizer
 from tests.server.tiny_tokenizer import build_tiny_tokenizer
 from tests.tiny_checkpoints import build_tiny_checkpoint
 
@@ -125,3 +127,14 @@ def default_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     running = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"))
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    """The OpenAI SDK pointed at the tiny-model server; no retries, so a failure shows as it happened."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server: RunningServer) -> Tokenizer:
+    return Tokenizer(str(server.model_dir))

@@ -12,16 +12,6 @@ from tests.server.conftest import RunningServer
 MESSAGES = [{"role": "user", "content": "Tell me a story about 日本 🙂"}]
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(server: RunningServer) -> Tokenizer:
-    return Tokenizer(str(server.model_dir))
-
-
 def chat(client: openai.OpenAI, server: RunningServer, **kwargs):
     return client.chat.completions.create(model=server.model, messages=kwargs.pop("messages", MESSAGES), **kwargs)
 

@@ -11,11 +11,6 @@ import pytest
 from tests.server.conftest import RunningServer
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
 def test_a_response_is_the_chat_answer_in_the_responses_shape(client: openai.OpenAI, server: RunningServer) -> None:
     resp = client.responses.create(model=server.model, input="def add(a, b):", instructions="Write Python.",
                                    max_output_tokens=12, temperature=0, top_p=0.9)

@@ -15,16 +15,6 @@ from tests.server.conftest import MAX_MODEL_LEN, RunningServer
 HELLO = [{"role": "user", "content": "hello"}]
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(server: RunningServer) -> Tokenizer:
-    return Tokenizer(str(server.model_dir))
-
-
 def token(tokenizer: Tokenizer, text: str) -> int:
     [token_id] = tokenizer.encode(text, add_special_tokens=False)
     return token_id

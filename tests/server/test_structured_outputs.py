@@ -25,11 +25,6 @@ class Person(pydantic.BaseModel):
     likes_tea: bool
 
 
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
-
-
 def chat(client: openai.OpenAI, server: RunningServer, **kwargs):
     return client.chat.completions.create(model=server.model, messages=MESSAGES, **kwargs)
 
