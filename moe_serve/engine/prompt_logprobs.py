@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from moe_serve.engine.messages import TokenLogprob
-from moe_serve.engine.sampler import _top_logprobs
+from moe_serve.engine.sampler import ranked_top_logprobs
 
 # A [rows, V] slice in fp32 (and its int64 top-k keys) stays near 64 MiB (128 MiB), whatever the
 # chunk length: a 2k-token chunk of a 150k vocabulary would be 1.2 GiB (2.4 GiB) at once.
@@ -31,7 +31,7 @@ def score_prompt_tokens(logits: torch.Tensor, targets: list[int], tops: list[int
         logp = torch.log_softmax(logits[lo:lo + per_slice].float(), dim=-1)  # [S, V]
         chosen = logp.gather(1, target_ids[lo:lo + per_slice, None])  # [S, 1]
         rank = (logp >= chosen).sum(-1, keepdim=True)  # [S, 1]
-        top_values, top_ids = _top_logprobs(logp, top)  # [S, N]
+        top_values, top_ids = ranked_top_logprobs(logp, top)  # [S, N]
         # float64 holds int64 ids and ranks < 2^53 and fp32 logprobs exactly: one tensor, one copy
         packed.append(torch.cat([chosen.double(), rank.double(), top_ids.double(), top_values.double()], dim=1))
     rows = torch.cat(packed).tolist()  # [P, 2 + 2N]

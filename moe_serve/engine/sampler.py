@@ -201,7 +201,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: TokenMask | None
         return SampledTokens(tokens, None, None, None, batch.logprobs)
     logp = torch.log_softmax(logits, dim=-1)  # [B, V]
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
-    top_logprobs, top_ids = _top_logprobs(logp, top)  # [B, N]
+    top_logprobs, top_ids = ranked_top_logprobs(logp, top)  # [B, N]
     return SampledTokens(tokens, chosen, top_ids, top_logprobs, batch.logprobs)
 
 
@@ -216,7 +216,7 @@ def _adjusted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _top_logprobs(logp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ranked_top_logprobs(logp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The n best of each row, ties going to the lower id. [B, V] fp32 -> values, ids [B, n].
 
     topk alone leaves the order among equal values unspecified, and bf16 logits tie often: a row's

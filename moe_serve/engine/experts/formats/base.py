@@ -50,3 +50,10 @@ class ExpertFormat(ABC):
 
     def describe(self) -> str:
         return self.name
+
+
+def absmax_scales(w: torch.Tensor, qmax: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Symmetric scales over w's last dim, kept as a dim of 1: absmax / qmax in `dtype`. A range of 0
+    (an all-zero row or group, or one below dtype's range) gets scale 1, so it encodes as zeros."""
+    scales = (w.abs().amax(dim=-1, keepdim=True) / qmax).to(dtype)
+    return torch.where(scales > 0, scales, 1.0)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from moe_serve.engine.experts.formats.base import ExpertFormat
+from moe_serve.engine.experts.formats.base import ExpertFormat, absmax_scales
 
 try:
     import triton
@@ -35,8 +35,7 @@ class Fp8(ExpertFormat):
 
     def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = w.float()
-        scales = w.abs().amax(dim=-1, keepdim=True) / E4M3_MAX  # [..., N, 1]
-        scales = torch.where(scales > 0, scales, 1.0)
+        scales = absmax_scales(w, E4M3_MAX)  # [..., N, 1]
         q = (w / scales).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)  # round to nearest even
         return q.view(torch.uint8), scales
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from moe_serve.engine.experts.formats.base import ExpertFormat
+from moe_serve.engine.experts.formats.base import ExpertFormat, absmax_scales
 
 try:
     import triton
@@ -50,8 +50,7 @@ class Int4(ExpertFormat):
         k, g = w.shape[-1], group_size(w.shape[-1])
         groups = self.scale_cols(k)
         padded = F.pad(w.float(), (0, groups * g - k)).unflatten(-1, (groups, g))  # [..., N, G, g]
-        scales = (padded.abs().amax(dim=-1) / QMAX).to(torch.float16)  # [..., N, G]
-        scales = torch.where(scales > 0, scales, 1.0)  # an all-zero group (or one under fp16's range) encodes as zeros
+        scales = absmax_scales(padded, QMAX, torch.float16).squeeze(-1)  # [..., N, G]
         q = (padded / scales.float()[..., None]).round_().clamp_(-QMAX - 1, QMAX).flatten(-2)[..., :k]  # [..., N, K]
         nibbles = F.pad((q + ZERO).to(torch.uint8), (0, k % 2), value=ZERO)
         return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scales

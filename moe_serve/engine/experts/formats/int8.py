@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from moe_serve.engine.experts.formats.base import ExpertFormat
+from moe_serve.engine.experts.formats.base import ExpertFormat, absmax_scales
 
 try:
     import triton
@@ -32,8 +32,7 @@ class Int8(ExpertFormat):
 
     def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = w.float()
-        scales = w.abs().amax(dim=-1, keepdim=True) / QMAX  # [..., N, 1]
-        scales = torch.where(scales > 0, scales, 1.0)  # an all-zero row encodes as zeros
+        scales = absmax_scales(w, QMAX)  # [..., N, 1]
         return (w / scales).round_().clamp_(-QMAX, QMAX).to(torch.int8), scales
 
     def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
