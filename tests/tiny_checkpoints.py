@@ -72,14 +72,15 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def tiny_hf_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """The transformers model (fp32, eager attention, eval mode) a tiny checkpoint is saved from."""
+def tiny_hf_model(family: str, seed: int = 0, **sizes: Any) -> torch.nn.Module:
+    """The transformers model (fp32, eager attention, eval mode) a tiny checkpoint is saved from;
+    `sizes` override config fields (quantized formats need dims of whole blocks)."""
     import transformers
 
     if family not in _FAMILY_CONFIGS:
         raise ValueError(f"unknown family {family!r}; known: {sorted(_FAMILY_CONFIGS)}")
     config_class, overrides = _FAMILY_CONFIGS[family]
-    config = getattr(transformers, config_class)(**{**_BASE, **overrides})
+    config = getattr(transformers, config_class)(**{**_BASE, **overrides, **sizes})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     _perturb(model, config.hidden_size, seed)
@@ -99,14 +100,15 @@ def _perturb(model: torch.nn.Module, hidden: int, seed: int) -> None:
                 p.copy_(2.0 / math.sqrt(hidden) * torch.randn(p.shape, generator=gen))
 
 
-def build_tiny_checkpoint(family: str, path: str | Path, *, fused_experts: bool = False, seed: int = 0) -> Path:
+def build_tiny_checkpoint(family: str, path: str | Path, *, fused_experts: bool = False, seed: int = 0,
+                          **sizes: Any) -> Path:
     """Write config.json + model.safetensors of a tiny `family` model to path (created); return path.
 
     fused_experts=True writes the transformers-5 in-memory layout (mlp.experts.gate_up_proj
     [E, 2I, H] and down_proj [E, H, I]) instead of the per-expert tensors save_pretrained writes.
     """
     path = Path(path)
-    model = tiny_hf_model(family, seed)
+    model = tiny_hf_model(family, seed, **sizes)
     if not fused_experts:
         model.save_pretrained(path)
         return path

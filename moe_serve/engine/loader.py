@@ -6,6 +6,11 @@ reading any data; (1) stream routed experts into the store; (2) let the caller b
 ExpertRunner over the filled store; (3) build the model around it on the device and stream the
 remaining tensors into its parameters. Any missing, unexpected, duplicated or mis-shaped tensor
 raises LoadError naming it.
+
+A quantized checkpoint (config.json's quantization_config; quantized_checkpoints/) stores a
+weight as several tensors named by suffix: step (0) groups them under the weight's name and checks
+each group is complete; a group is read as one, its routed experts kept in their published
+format, its other weights dequantized to the model's dtype.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
@@ -27,6 +32,8 @@ from moe_serve.engine.models.blocks import CausalLM
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
 from moe_serve.engine.models.registry import FAMILIES
+from moe_serve.engine.quantized_checkpoints import checkpoint_quant
+from moe_serve.engine.quantized_checkpoints.base import CheckpointQuant
 
 log = logging.getLogger(__name__)
 RunnerFactory = Callable[[ExpertStore, ModelConfig], ExpertRunner]
@@ -34,6 +41,7 @@ RunnerFactory = Callable[[ExpertStore, ModelConfig], ExpertRunner]
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 _EXPERT_PARTS = ("gate", "up", "down")
+_FLOAT_DTYPES = ("F16", "BF16", "F32")  # safetensors' names of the dtypes a weight computes in
 
 
 class LoadError(ValueError):
@@ -54,6 +62,8 @@ class _Target:
     part: str | None
     layer: int | None  # decoder layer from {L}
     expert: int | None  # from {E}; None for fused expert tensors
+    # a quantized weight: role -> (file, tensor name) of each of its tensors; None: one plain tensor
+    quantized: tuple[tuple[str, Path, str], ...] | None = None
 
     @property
     def is_expert(self) -> bool:
@@ -71,11 +81,15 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -
     return _DTYPES[dtype]
 
 
-def read_config(path: str | Path) -> ModelConfig:
+def read_hf_config(path: str | Path) -> dict:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
         raise LoadError(f"{config_file} not found")
-    return ModelConfig.from_hf(json.loads(config_file.read_text()))
+    return json.loads(config_file.read_text())
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    return ModelConfig.from_hf(read_hf_config(path))
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -106,13 +120,14 @@ def load_model(
     """Load a local HF checkpoint dir; runner_factory(store, config) is required for MoE models.
     `expert_quant`: the format the routed experts are encoded in as they stream into the store
     (moe_serve/engine/experts/formats/); every other weight keeps `dtype`."""
-    config = read_config(path)
+    hf = read_hf_config(path)
+    config, quant = ModelConfig.from_hf(hf), checkpoint_quant(hf)
     dtype = resolve_dtype(dtype, device)
     if config.is_moe and runner_factory is None:
         raise ValueError(f"{config.architecture} is an MoE model: pass runner_factory")
     rules = FAMILIES[config.architecture].rules
     files = checkpoint_files(path)
-    targets = _plan(files, rules)
+    targets = _plan(files, rules, quant)
     log.info("loading weights: %d tensors from %d files in %s", len(targets), len(files), path)
     started = time.monotonic()
     # a bar only on a terminal (disable=None): in a log file its carriage returns are noise
@@ -121,10 +136,10 @@ def load_model(
         if config.is_moe:
             layout = config.expert_layout(dtype, expert_quant)
             store = ExpertStore.for_device(config.num_moe_layers, config.num_experts, layout, device)
-            _load_experts(store, config, rules, [t for t in targets if t.is_expert], bar)
+            _load_experts(store, config, rules, quant, [t for t in targets if t.is_expert], bar)
             runner = runner_factory(store, config)
         model = CausalLM(config, runner, device=device, dtype=dtype)
-        _load_params(model, config, rules, [t for t in targets if not t.is_expert], bar)
+        _load_params(model, config, rules, quant, [t for t in targets if not t.is_expert], bar)
     log.info("weights loaded in %.1f s", time.monotonic() - started)
     return LoadedModel(model.eval(), store, config)
 
@@ -134,14 +149,51 @@ def _compile(rule: TensorRule) -> re.Pattern[str]:
     return re.compile(pattern + "$")
 
 
-def _plan(files: list[Path], rules: tuple[TensorRule, ...]) -> list[_Target]:
-    """Every tensor name in the checkpoint mapped to its target; unknown names fail here, before any data is read."""
+def _plan(files: list[Path], rules: tuple[TensorRule, ...], quant: CheckpointQuant | None) -> list[_Target]:
+    """Every tensor name in the checkpoint mapped to its target, a quantized weight's tensors grouped
+    into one; unknown names and incomplete groups fail here, before any data is read."""
     compiled = [(rule, _compile(rule)) for rule in rules]
-    targets = []
+    targets: list[_Target] = []
+    groups: dict[str, dict[str, tuple[Path, str]]] = {}  # weight name -> role -> (file, tensor name)
+    float_weights: set[str] = set()  # tensors a module left unquantized may be
     for file in files:
         with safe_open(file, framework="pt") as f:
-            targets += [_match(name, file, compiled) for name in f.keys()]
+            for name in f.keys():
+                found = _quantized_part(name, quant, compiled)
+                if found is None:
+                    targets.append(_match(name, file, compiled))
+                    continue
+                weight, role = found
+                if role in groups.setdefault(weight, {}):
+                    raise LoadError(f"duplicate tensor {name!r}")
+                groups[weight][role] = (file, name)
+                if f.get_slice(name).get_dtype() in _FLOAT_DTYPES:
+                    float_weights.add(name)
+    for weight, parts in groups.items():
+        if set(parts) == {"weight"} and parts["weight"][1] in float_weights:  # a module left unquantized
+            targets.append(_match(*reversed(parts["weight"]), compiled))
+            continue
+        missing = [quant.suffixes[role] for role in quant.suffixes if role not in parts]
+        if missing:
+            stem = weight.removesuffix(".weight")
+            raise LoadError(f"missing tensor {stem + missing[0]!r} of a {quant.method}-quantized weight")
+        target = _match(weight, next(iter(parts.values()))[0], compiled)
+        targets.append(replace(target, quantized=tuple((role, *where) for role, where in parts.items())))
     return targets
+
+
+def _quantized_part(name: str, quant: CheckpointQuant | None,
+                    rules: list[tuple[TensorRule, re.Pattern[str]]]) -> tuple[str, str] | None:
+    """(the weight's name as the rules know it, role) when `name` is one tensor of a quantized weight."""
+    if quant is None:
+        return None
+    for role, suffix in sorted(quant.suffixes.items(), key=lambda item: -len(item[1])):
+        if name.endswith(suffix):
+            stem = name.removesuffix(suffix)
+            for weight in (stem + ".weight", stem):  # linear weights, and fused expert tensors
+                if any(pattern.match(weight) for _, pattern in rules):
+                    return weight, role
+    return None
 
 
 def _match(name: str, file: Path, rules: list[tuple[TensorRule, re.Pattern[str]]]) -> _Target:
@@ -156,20 +208,32 @@ def _match(name: str, file: Path, rules: list[tuple[TensorRule, re.Pattern[str]]
     raise LoadError(f"unexpected tensor {name!r} in {file.name}: no rule of this family maps it")
 
 
-def _tensors(targets: list[_Target], bar: tqdm) -> Iterator[tuple[_Target, torch.Tensor]]:
-    """Read targets one tensor at a time, opening each file once."""
+def _tensors(targets: list[_Target], bar: tqdm) -> Iterator[tuple[_Target, torch.Tensor | dict[str, torch.Tensor]]]:
+    """Read targets one at a time, opening each file once: a plain target's tensor, a quantized
+    one's tensors by role (those in other files opened when its group is read)."""
     by_file: dict[Path, list[_Target]] = {}
     for target in targets:
         by_file.setdefault(target.file, []).append(target)
     for file, file_targets in by_file.items():
         with safe_open(file, framework="pt") as f:
             for target in file_targets:
-                yield target, f.get_tensor(target.hf_name)
+                if target.quantized is None:
+                    yield target, f.get_tensor(target.hf_name)
+                else:
+                    yield target, {role: _read(f, file, where, name) for role, where, name in target.quantized}
                 bar.update()
 
 
+def _read(opened, opened_file: Path, file: Path, name: str) -> torch.Tensor:
+    if file == opened_file:
+        return opened.get_tensor(name)
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(name)
+
+
 def _load_experts(
-    store: ExpertStore, config: ModelConfig, rules: tuple[TensorRule, ...], targets: list[_Target], bar: tqdm
+    store: ExpertStore, config: ModelConfig, rules: tuple[TensorRule, ...], quant: CheckpointQuant | None,
+    targets: list[_Target], bar: tqdm
 ) -> None:
     filled: set[tuple[int, int, str]] = set()
     for target, tensor in _tensors(targets, bar):
@@ -185,7 +249,9 @@ def _load_experts(
             raise LoadError(f"duplicate tensor {target.hf_name!r}: its experts were already loaded")
         filled |= keys
         try:
-            if target.expert is None:
+            if isinstance(tensor, dict):
+                store.put_encoded(moe, target.expert, part, *quant.expert_parts(tensor, store.layout.format))
+            elif target.expert is None:
                 store.put_fused(moe, **{part: tensor})
             else:
                 store.put(moe, target.expert, **{part: tensor})
@@ -212,11 +278,17 @@ def _part_rows(config: ModelConfig, param: torch.Tensor, part: str | None) -> sl
 
 
 def _load_params(
-    model: CausalLM, config: ModelConfig, rules: tuple[TensorRule, ...], targets: list[_Target], bar: tqdm
+    model: CausalLM, config: ModelConfig, rules: tuple[TensorRule, ...], quant: CheckpointQuant | None,
+    targets: list[_Target], bar: tqdm
 ) -> None:
     params = dict(model.named_parameters())
     filled: set[tuple[str, str | None]] = set()
     for target, tensor in _tensors(targets, bar):
+        if isinstance(tensor, dict):
+            try:
+                tensor = quant.dequantize(tensor, model.dtype)
+            except ValueError as e:
+                raise LoadError(f"tensor {target.hf_name!r}: {e}") from None
         if config.tie_word_embeddings and target.ours == "lm_head.weight":
             continue  # some checkpoints also store the tied copy
         if target.ours not in params:

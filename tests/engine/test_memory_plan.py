@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from moe_serve.engine.config import ConfigError, EngineConfig
+from moe_serve.engine.core import EngineCore
 from moe_serve.engine.experts.runner import CachedExpertRunner
 from moe_serve.engine.kv.paged_cache import kv_bytes_per_token
 from moe_serve.engine.loader import load_model, read_config
 from moe_serve.engine.memory_plan import GIB, KV_SHARE, activation_bytes, non_expert_bytes, plan_memory
+from moe_serve.engine.messages import GenerateRequest, SamplingParams
 from moe_serve.engine.models.config import ModelConfig
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "moe_serve" / "models" / "default"
@@ -80,3 +82,31 @@ def test_on_the_cpu_utilization_does_not_apply() -> None:
     assert p.usable_bytes is None and p.expert_budget is None and p.activation_bytes == 0
     assert p.kv_bytes == 64 * 512 * kv_bytes_per_token(MODEL, DTYPE)
     assert "does not apply" in p.describe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_full_batch_stays_within_the_utilization() -> None:
+    """On the GPU the plan's estimate meets reality: a --gpu-memory-utilization leaving room for half
+    the experts, then full prefill chunks and a full decode batch; the process (CUDA context, cuBLAS
+    and Triton workspaces, graph pools included) stays within U x the GPU's memory."""
+    free, total = torch.cuda.mem_get_info()
+    assert total - free < 2 * GIB, "the GPU is in use by something else"
+    max_len = 512
+    utilization = (fixed_bytes(MODEL, max_len) + ALL_EXPERTS // 2) / total
+    core = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), device="cuda", max_model_len=max_len,
+                                   gpu_memory_utilization=utilization))
+    try:
+        assert core.runtime.runner.resident_experts < MODEL.num_moe_layers * MODEL.num_experts
+        gen = torch.Generator().manual_seed(0)
+        for i in range(64):
+            prompt = tuple(torch.randint(3, MODEL.vocab_size, (200,), generator=gen).tolist())
+            core.add_request(GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=48, temperature=0)))
+        while core.has_unfinished():
+            core.step()
+        free, total = torch.cuda.mem_get_info()
+        breakdown = (f"in use {(total - free) / GIB:.3f} GiB: torch reserved {torch.cuda.memory_reserved() / GIB:.3f}, "
+                     f"peak allocated {torch.cuda.max_memory_allocated() / GIB:.3f}; allowed {utilization * total / GIB:.3f}")
+        print(breakdown)
+        assert total - free <= utilization * total, breakdown
+    finally:
+        core.close()

@@ -67,12 +67,15 @@ class ExpertLayout:
     def sections(self) -> dict[str, Section]:
         """'gate_up', 'down' and, if the format has scales, 'gate_up.scales', 'down.scales'."""
         fmt, found, offset = self.format, {}, 0
-        for suffix, dtype, cols in (("", fmt.data_dtype, fmt.data_cols), (".scales", fmt.scale_dtype, fmt.scale_cols)):
+        sections = (("", fmt.data_dtype, lambda n: n, fmt.data_cols),
+                    (".scales", fmt.scale_dtype, fmt.scale_rows, fmt.scale_cols))
+        for suffix, dtype, rows, cols in sections:
             if dtype is None:
                 continue
             for matrix in MATRICES:
                 n, k = self.shape(matrix)
-                found[matrix + suffix] = Section(offset, n, cols(k), dtype)
+                fmt.check_shape(n // 2 if matrix == "gate_up" else n, k)  # gate and up are encoded apart
+                found[matrix + suffix] = Section(offset, rows(n), cols(k), dtype)
                 offset = _aligned(offset + found[matrix + suffix].nbytes)
         return found
 
@@ -109,18 +112,36 @@ class ExpertLayout:
 
     def write(self, rows: torch.Tensor, part: str, w: torch.Tensor) -> None:
         """Encode HF-shaped weights of one part into rows [..., numel]: gate or up [..., I, H], down
-        [..., H, I] or gate_up [..., 2I, H]. A format's rows are independent, so parts encode apart."""
-        matrix = "down" if part == "down" else "gate_up"
-        n, k = self.shape(matrix)
-        span = {"gate": slice(0, n // 2), "up": slice(n // 2, n)}.get(part, slice(None))
-        data = self.sections[matrix].view(rows)[..., span, :]
-        expected = (*data.shape[:-1], k)
+        [..., H, I] or gate_up [..., 2I, H]. A format's rows (or blocks of rows) are independent, so
+        parts encode apart."""
+        matrix, span = self._part(part)
+        expected = (*self.sections[matrix].view(rows)[..., span, :].shape[:-1], self.shape(matrix)[1])
         if tuple(w.shape) != expected:
             raise ValueError(f"expert weight has shape {tuple(w.shape)}, expected {expected}")
-        encoded, scales = self.format.encode(w)
-        data.copy_(encoded)
-        if scales is not None:
-            self.sections[matrix + ".scales"].view(rows)[..., span, :].copy_(scales)
+        self.write_encoded(rows, part, *self.format.encode(w))
+
+    def write_encoded(self, rows: torch.Tensor, part: str, data: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """Store one part already encoded in the layout's format (a quantized checkpoint's experts,
+        kept as published): data [..., rows of the part, data_cols], scales [..., scale rows, scale_cols]."""
+        matrix, span = self._part(part)
+        targets = [(self.sections[matrix], span, data)]
+        if self.format.scale_dtype is not None:
+            if scales is None:
+                raise ValueError(f"{self.format.name} experts need scales")
+            scale_span = slice(*(None if i is None else self.format.scale_rows(i) for i in (span.start, span.stop)))
+            targets.append((self.sections[matrix + ".scales"], scale_span, scales))
+        for section, rows_of_part, src in targets:
+            dst = section.view(rows)[..., rows_of_part, :]
+            if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+                raise ValueError(f"encoded expert weight is {tuple(src.shape)} {src.dtype}, "
+                                 f"expected {tuple(dst.shape)} {dst.dtype}")
+            dst.copy_(src)
+
+    def _part(self, part: str) -> tuple[str, slice]:
+        """The matrix a part lives in and its rows there: gate and up are the halves of gate_up."""
+        matrix = "down" if part == "down" else "gate_up"
+        n = self.shape(matrix)[0]
+        return matrix, {"gate": slice(0, n // 2), "up": slice(n // 2, n)}.get(part, slice(None))
 
     def pack_into(self, row: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Write HF-shaped weights (gate/up [I, H], down [H, I]) into one packed row."""

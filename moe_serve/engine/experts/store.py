@@ -69,6 +69,19 @@ class ExpertStore:
                 self.layout.write(self.row(layer, expert), part, weights)
 
 
+    def put_encoded(self, layer: int, expert: int | None, part: str, data: torch.Tensor,
+                    scales: torch.Tensor | None) -> None:
+        """Write one part of one expert (or, expert None, of all experts of a layer: a leading [E] dim)
+        already encoded in the layout's format, as a quantized checkpoint publishes it."""
+        if expert is not None:
+            self.layout.write_encoded(self.row(layer, expert), part, data, scales)
+            return
+        if data.shape[0] != self.num_experts:
+            raise ValueError(f"expert weight has {data.shape[0]} experts, expected {self.num_experts}")
+        for e in range(self.num_experts):
+            self.layout.write_encoded(self.row(layer, e), part, data[e], None if scales is None else scales[e])
+
+
 def _pin(owner: ExpertStore, rows: torch.Tensor) -> None:
     """Page-lock rows' memory for as long as owner lives."""
     cudart = torch.cuda.cudart()

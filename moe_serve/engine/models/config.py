@@ -9,6 +9,7 @@ import torch
 from moe_serve.engine.experts.formats import expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.models.registry import family_for
+from moe_serve.engine.quantized_checkpoints import checkpoint_quant
 from moe_serve.engine.models.rope import RopeConfig
 
 QK_NORM_KINDS = ("none", "per_head", "full")
@@ -44,6 +45,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[int, ...] = ()  # decoder layer indices that are MoE, in order
+    # the experts/formats/ name of the routed experts as a quantized checkpoint publishes them
+    # (moe_serve/engine/quantized_checkpoints/); "none" for a float checkpoint
+    published_expert_format: str = "none"
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORM_KINDS:
@@ -79,6 +83,9 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
         )
+        quant = checkpoint_quant(hf)
+        if quant is not None:
+            common["published_expert_format"] = quant.expert_format
         return cls(**{**common, **family.config_fields(hf)})
 
     @property
@@ -94,5 +101,11 @@ class ModelConfig:
         return self.moe_layers.index(layer) if layer in self.moe_layers else None
 
     def expert_layout(self, dtype: torch.dtype, quant: str = "none") -> ExpertLayout:
-        """One routed expert's row: computed in dtype, stored in the --expert-quant format `quant`."""
-        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(quant, dtype))
+        """One routed expert's row: computed in dtype, stored in the --expert-quant format `quant`, or
+        as a quantized checkpoint publishes its experts (which are never quantized again)."""
+        published = self.published_expert_format
+        if published != "none" and quant not in ("none", published):
+            raise ValueError(f"the checkpoint's experts are {published}: --expert-quant {quant} would quantize them "
+                             f"again; leave it unset")
+        name = quant if published == "none" else published
+        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(name, dtype))

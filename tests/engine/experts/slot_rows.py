@@ -1,8 +1,12 @@
-"""Random experts encoded into cache-slot rows of any format, for the kernel tests."""
+"""Random experts encoded into cache-slot rows of any format, for the kernel tests; test shapes
+grown to a block format's whole blocks; the exact reference the GPU kernels are held to."""
 from __future__ import annotations
+
+import math
 
 import torch
 
+from moe_serve.engine.experts.formats import expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
 
 
@@ -13,3 +17,21 @@ def random_slots(layout: ExpertLayout, num_slots: int, gen: torch.Generator) -> 
     layout.write(slots, "gate_up", torch.randn(num_slots, 2 * i, h, generator=gen) / h**0.5)
     layout.write(slots, "down", torch.randn(num_slots, h, i, generator=gen) / i**0.5)
     return slots
+
+
+def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ...]]:
+    """(H, I, ...) cases with H and I rounded up to the format's whole blocks (both are a row count
+    and a reduction dim, of gate_up and down)."""
+    fmt = expert_format(quant, torch.float32)
+    step = math.lcm(fmt.row_multiple, fmt.col_multiple)
+    return [(-(-h // step) * step, -(-i // step) * step, *rest) for h, i, *rest in cases]
+
+
+def bf16_decoded_reference(layout: ExpertLayout, slots: torch.Tensor) -> tuple[ExpertLayout, torch.Tensor]:
+    """Plain fp32 rows of the weights a bf16 kernel multiplies (the slots decoded to bf16, as tl.dot
+    takes them): fp32 math over them is what the kernels must match up to their fp32 accumulation."""
+    exact = ExpertLayout(layout.hidden_size, layout.intermediate_size, torch.float32)
+    rows = torch.empty(len(slots), exact.numel, device=slots.device)
+    for matrix in ("gate_up", "down"):
+        exact.write(rows, matrix, layout.weights(slots, matrix).float())
+    return exact, rows

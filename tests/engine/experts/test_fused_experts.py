@@ -8,7 +8,6 @@ kernel equal the torch path's reference dequantization. Skipped where triton is 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from moe_serve.engine.experts.fused_experts import (
     fused_experts_available,
 )
 from moe_serve.engine.experts.layout import ExpertLayout
-from tests.engine.experts.slot_rows import random_slots
+from tests.engine.experts.slot_rows import bf16_decoded_reference, fitted_cases, random_slots
 from tests.triton_interpreter import needs_triton, run_interpreted
 
 # Blocks far smaller than the shapes: every kernel loops, and every edge is masked.
@@ -75,7 +74,7 @@ def test_interpreter_matches_torch_path():
 @needs_triton
 @pytest.mark.parametrize("quant", QUANTIZED)
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
-    run_interpreted(__file__, f"check_interpreted({json.dumps(QUANT_CASES)}, {quant!r})")
+    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
 
 
 def test_not_available_on_cpu():
@@ -89,11 +88,10 @@ def test_not_available_on_cpu():
 @pytest.mark.parametrize("quant", FORMAT_NAMES)
 @pytest.mark.parametrize("h,i,t,k", CUDA_CASES)
 def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
+    (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)
     layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
-    if quant == "none":  # fp32 math on bf16 inputs
-        exact = gathered_experts_torch(x.float(), weights, slots.float(), ids, ExpertLayout(h, i, torch.float32))
-    else:  # the same quantized rows decoded to fp32
-        exact = gathered_experts_torch(x.float(), weights, slots, ids, replace(layout, dtype=torch.float32))
+    exact_layout, exact_slots = bf16_decoded_reference(layout, slots)
+    exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
     fused = fused_experts(x, weights, slots, ids, layout)
     assert fused.dtype == torch.bfloat16 and fused.shape == (t, h)
     torch.testing.assert_close(fused.float(), exact, rtol=1.6e-2, atol=1e-2)  # only the final cast rounds

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from moe_serve.engine.experts.compute import (
 )
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
-from tests.engine.experts.slot_rows import random_slots
+from tests.engine.experts.slot_rows import bf16_decoded_reference, fitted_cases, random_slots
 from tests.triton_interpreter import needs_triton, run_interpreted
 
 NUM_SLOTS = 9  # more slots than the routings below use
@@ -118,7 +117,7 @@ def test_interpreter_matches_torch_path():
 @needs_triton
 @pytest.mark.parametrize("quant", QUANTIZED)
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
-    run_interpreted(__file__, f"check_interpreted({json.dumps(QUANT_CASES)}, {quant!r})")
+    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
 
 
 @needs_triton
@@ -148,13 +147,12 @@ needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device a
 @pytest.mark.parametrize("quant", FORMAT_NAMES)
 @pytest.mark.parametrize("h,i,t,k", CUDA_CASES)
 def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
+    (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
-    if quant == "none":  # fp32 math on bf16 inputs
-        exact = gathered_experts_torch(x.float(), weights, slots.float(), ids, ExpertLayout(h, i, torch.float32))
-    else:  # the same quantized rows decoded to fp32 (the kernel rounds them to bf16 for tl.dot, as torch does)
-        exact = gathered_experts_torch(x.float(), weights, slots, ids, replace(layout, dtype=torch.float32))
+    exact_layout, exact_slots = bf16_decoded_reference(layout, slots)
+    exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
     grouped = grouped_experts(x, weights, slots, ids, layout)
     assert grouped.dtype == torch.bfloat16 and grouped.shape == (t, h)
     torch.testing.assert_close(grouped.float(), exact, rtol=1.6e-2, atol=1e-2)  # act and the output round

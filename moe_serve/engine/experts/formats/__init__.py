@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
     from moe_serve.engine.experts.formats.base import ExpertFormat
 
-_REGISTRY = {"none": "plain:Plain", "int8": "int8:Int8", "int4": "int4:Int4", "fp8": "fp8:Fp8"}  # name -> module:class
+_REGISTRY = {"none": "plain:Plain", "int8": "int8:Int8", "int4": "int4:Int4", "fp8": "fp8:Fp8",
+             "fp8-block": "fp8_block:Fp8Block"}  # name -> module:class
 FORMAT_NAMES = tuple(_REGISTRY)
 
 

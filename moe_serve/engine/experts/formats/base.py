@@ -18,6 +18,9 @@ class ExpertFormat(ABC):
     name: ClassVar[str]  # the --expert-quant value
     data_dtype: torch.dtype  # element of the packed weights, as the kernels read them
     scale_dtype: torch.dtype | None = None  # element of the scales; None: the format has none
+    # block formats encode matrices of whole blocks: N and K multiples of these
+    row_multiple: ClassVar[int] = 1
+    col_multiple: ClassVar[int] = 1
 
     @classmethod
     def for_model(cls, dtype: torch.dtype) -> ExpertFormat:
@@ -32,6 +35,10 @@ class ExpertFormat(ABC):
         """Scales per encoded row of K weights."""
         return 0
 
+    def scale_rows(self, n: int) -> int:
+        """Rows of scales for a matrix of N rows: N, unless rows share scales (blocks of rows)."""
+        return n
+
     @abstractmethod
     def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """w [..., N, K] (any float dtype) -> data [..., N, data_cols(K)], scales [..., N, scale_cols(K)] or None."""
@@ -39,6 +46,12 @@ class ExpertFormat(ABC):
     @abstractmethod
     def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
         """The reference dequantization: [..., N, K] in dtype (a view where nothing needs decoding)."""
+
+    def check_shape(self, n: int, k: int) -> None:
+        """Raise ValueError naming the format when it cannot encode a matrix [N, K]."""
+        if n % self.row_multiple or k % self.col_multiple:
+            raise ValueError(f"{self.name} experts need matrices of whole {self.row_multiple} x {self.col_multiple} "
+                             f"blocks; one is {n} x {k}")
 
     @property
     @abstractmethod

@@ -12,6 +12,7 @@ from moe_serve.engine.experts.formats.fp8 import E4M3_MAX
 from moe_serve.engine.experts.formats.int4 import group_size
 from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.experts.store import ExpertStore
+from tests.engine.experts.slot_rows import fitted_cases
 
 QUANTIZED = [name for name in FORMAT_NAMES if name != "none"]
 # [N, K]: odd K (int4's half byte), K under one int4 group, K over several with a partial last one
@@ -112,7 +113,7 @@ def test_bytes_per_expert_shrink_by_format(dtype):
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_parts_encode_independently(name):
     """Streaming gate, up and down one by one gives the rows a fused put (and pack_into) gives."""
-    h, i, e = 37, 19, 3
+    [(h, i)], e = fitted_cases([(37, 19)], name), 3
     layout = ExpertLayout(h, i, torch.float32, expert_format(name, torch.float32))
     per_part, fused = ExpertStore(1, e, layout), ExpertStore(1, e, layout)
     for store in (per_part, fused):
@@ -133,5 +134,5 @@ def test_parts_encode_independently(name):
 
 
 def test_unknown_format_is_refused_by_name():
-    with pytest.raises(ValueError, match="nf4.*none, int8, int4, fp8"):
+    with pytest.raises(ValueError, match="nf4.*none, int8, int4, fp8, fp8-block"):
         expert_format("nf4", torch.bfloat16)

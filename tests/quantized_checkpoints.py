@@ -1,0 +1,62 @@
+"""Tiny quantized checkpoints for tests/engine/quantized_checkpoints/: a tiny float checkpoint
+re-written in a quantization method's published layout, next to the float checkpoint of the same
+weights as the method's reference dequantization gives them.
+
+    quantized, reference = quantized_pair(float_ckpt, tmp_path, {"quant_method": ...}, quantize)
+
+`quantize(name, tensor)` is the test's own writer of the published layout: None leaves the tensor
+as it is; otherwise it returns the tensors that replace it (by full name) and the weight those
+decode to. Loading `quantized` must then compute what loading `reference` computes.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_serve.engine.kv_cache import KVCache
+from moe_serve.engine.loader import LoadedModel, load_model
+from tests.tiny_checkpoints import AllResidentRunner
+
+Quantize = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor] | None]
+
+
+def quantized_pair(src: Path, dst: Path, quantization_config: dict[str, Any], quantize: Quantize) -> tuple[Path, Path]:
+    """Write dst/quantized and dst/reference from the checkpoint at src; return both paths."""
+    quantized, reference = dst / "quantized", dst / "reference"
+    for path in (quantized, reference):
+        shutil.copytree(src, path)
+    tensors, quantized_tensors, reference_tensors = load_file(src / "model.safetensors"), {}, {}
+    for name, tensor in tensors.items():
+        written = quantize(name, tensor)
+        if written is None:
+            quantized_tensors[name] = reference_tensors[name] = tensor
+        else:
+            quantized_tensors.update(written[0])
+            reference_tensors[name] = written[1].to(tensor.dtype)
+    save_file(quantized_tensors, str(quantized / "model.safetensors"), metadata={"format": "pt"})
+    save_file(reference_tensors, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    return quantized, reference
+
+
+def load(path: Path, **kwargs: Any) -> LoadedModel:
+    return load_model(path, runner_factory=AllResidentRunner.factory, progress=False, **kwargs)
+
+
+def logits(loaded: LoadedModel, tokens: int = 12) -> torch.Tensor:
+    kv = KVCache.for_model(loaded.config, 16, device="cpu", dtype=loaded.model.dtype)
+    return loaded.model(torch.arange(3, 3 + tokens), 0, kv).float()
+
+
+def assert_same_model(quantized: LoadedModel, reference: LoadedModel) -> None:
+    """Every expert decodes to the reference's weights exactly, and the logits agree (fp32)."""
+    for matrix in ("gate_up", "down"):
+        torch.testing.assert_close(quantized.store.layout.weights(quantized.store.rows, matrix),
+                                   reference.store.layout.weights(reference.store.rows, matrix), rtol=0, atol=0)
+    torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-5, atol=1e-5)
