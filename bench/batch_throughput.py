@@ -4,6 +4,7 @@
     python bench/batch_throughput.py --table mixtral-gpu --batches 1 8 32 64 --out $OUT/batch
     python bench/batch_throughput.py --table mixtral --budget 25% --batches 1 4 16 32 --out $OUT/batch
     python bench/batch_throughput.py --table mixtral --budget 25% --spec draft --batches 1 4 16 32 --out $OUT/batch
+    python bench/batch_throughput.py --table mixtral --budget 25% --expert-quant int4 --batches 1 --out $OUT/quant
     python bench/batch_throughput.py --table default --device cpu --batches 1 4 --tokens 8 --out /tmp/batch
 
 Each row sends B greedy requests (held-out prompts of --prompt-len tokens, EOS ignored so every
@@ -109,7 +110,7 @@ def row(config: EngineConfig, prompts: list[list[int]], batch: int, tokens: int,
                    "pcie_wait_ms_per_step": 1e3 * stats["pcie_wait_seconds"] / steps,
                    "spec": {k: stats[k] for k in ("verify_steps", "acceptance_rate", "mean_accepted_length")
                             if k in stats}}
-        sb = step_bytes(model_dir, dtype, context_tokens=len(prompts[0]) + tokens / 2)
+        sb = step_bytes(model_dir, dtype, context_tokens=len(prompts[0]) + tokens / 2, expert_quant=config.expert_quant)
         # HBM per step: non-expert weights once, the distinct experts the layer runs used (all-GPU graph
         # replays count T*k per layer, so capped at every expert of the model), each sequence's KV
         hbm = sb.non_expert + min(sb.expert_bytes * accesses / steps, sb.all_experts) + sb.kv * batch
@@ -138,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--spec", default="off", choices=["off", "self", "draft"],
                         help="speculate when a sequence decodes alone (draft: the default model's dense draft)")
     parser.add_argument("--spec-tokens", type=int, default=12)
+    parser.add_argument("--expert-quant", default="none", help="the experts' format (moe-serve's --expert-quant)")
     parser.add_argument("--name", default=None, help="result file stem (default: batch-TABLE[-BUDGET])")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--tokens", type=int, default=128)
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.budget if args.table == "mixtral" else None
     config = EngineConfig(model=str(model_dir), device=str(device), gpu_expert_budget=budget, cache_policy=args.policy,
                           cpu_experts=args.cpu_experts, spec=args.spec, spec_tokens=args.spec_tokens,
+                          expert_quant=args.expert_quant,
                           draft=str(REPO / "moe_serve" / "models" / "default-draft") if args.spec == "draft" else None,
                           max_model_len=args.prompt_len + args.tokens + 16)
     try:
@@ -168,14 +171,16 @@ def main(argv: list[str] | None = None) -> None:
     except FileNotFoundError:
         prompts = seeded_prompts(8192, max(args.batches), args.prompt_len)
         source = "random token ids (corpus missing)"
-    expert_bytes = step_bytes(model_dir, dtype, 0).expert_bytes or 2**20
+    expert_bytes = step_bytes(model_dir, dtype, 0, args.expert_quant).expert_bytes or 2**20
     bw = measure_bandwidths(device, h2d_bytes=max(expert_bytes, 2**20))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = args.name or f"batch-{args.table}" + (f"-{budget.rstrip('%')}" if budget else "")
+    name = args.name or (f"batch-{args.table}" + (f"-{budget.rstrip('%')}" if budget else "")
+                         + ("" if args.expert_quant == "none" else f"-quant-{args.expert_quant}"))
     report = {"command": "python bench/batch_throughput.py " + " ".join(argv or sys.argv[1:]),
               "table": args.table, "model": str(model_dir), "budget": budget, "policy": args.policy,
               "cpu_experts": args.cpu_experts, "spec": args.spec, "spec_tokens": args.spec_tokens,
+              "expert_quant": args.expert_quant,
               "prompts": f"{args.prompt_len} tokens of {source}", "tokens": args.tokens, "dtype": str(dtype),
               "bandwidths": bw.as_dict(), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "rows": []}

@@ -74,8 +74,9 @@ def _tensor_numels(model_dir: str | Path) -> dict[str, int]:
     return numels
 
 
-def step_bytes(model_dir: str | Path, dtype: torch.dtype, context_tokens: float) -> StepBytes:
-    """What one decode token reads at `dtype` when the KV cache holds `context_tokens` positions."""
+def step_bytes(model_dir: str | Path, dtype: torch.dtype, context_tokens: float, expert_quant: str = "none") -> StepBytes:
+    """What one decode token reads at `dtype`, its experts in the --expert-quant format `expert_quant`,
+    when the KV cache holds `context_tokens` positions."""
     config = read_config(model_dir)
     element = torch.empty((), dtype=dtype).element_size()
     numels = _tensor_numels(model_dir)
@@ -83,7 +84,7 @@ def step_bytes(model_dir: str | Path, dtype: torch.dtype, context_tokens: float)
     non_expert = sum(n for k, n in numels.items()
                      if not ROUTED_EXPERT.search(k) and not (untied and INPUT_EMBEDDING.search(k)))
     non_expert += config.hidden_size if untied else 0  # the one embedding row a token reads
-    expert = config.expert_layout(dtype).nbytes if config.is_moe else 0
+    expert = config.expert_layout(dtype, expert_quant).nbytes if config.is_moe else 0
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * element  # K and V
     return StepBytes(non_expert=non_expert * element, active_experts=config.num_moe_layers * config.top_k * expert,
                      kv=int(kv_per_token * context_tokens), expert_bytes=expert,

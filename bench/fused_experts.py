@@ -111,11 +111,12 @@ def fused_with(config: FusedConfig):
     return lambda x, w, s, i, layout: fused_experts(x, w, s, i, layout, config=config)
 
 
-def sweep(problem: Problem, shape: Shape, tokens: int, deadline: float) -> dict:
+def sweep(problem: Problem, shape: Shape, tokens: int, deadline: float, gate_up_grid=GATE_UP_SWEEP,
+          down_grid=DOWN_SWEEP) -> dict:
     """Gate/up tiles under the default down tiles, then down tiles under the best gate/up ones."""
     base = default_config(tokens, shape.hidden, shape.intermediate)
     result: dict = {"gate_up": {}, "down": {}}
-    for rows, cols, warps in GATE_UP_SWEEP:
+    for rows, cols, warps in gate_up_grid:
         if time.monotonic() > deadline:
             break
         cfg = replace(base, gate_up_rows=rows, gate_up_cols=cols, gate_up_warps=warps)
@@ -125,7 +126,7 @@ def sweep(problem: Problem, shape: Shape, tokens: int, deadline: float) -> dict:
         rows, rest = best.split("x")
         cols, warps = rest.split("w")
         base = replace(base, gate_up_rows=int(rows), gate_up_cols=int(cols), gate_up_warps=int(warps))
-    for rows, cols, warps in DOWN_SWEEP:
+    for rows, cols, warps in down_grid:
         if time.monotonic() > deadline:
             break
         cfg = replace(base, down_rows=rows, down_cols=cols, down_warps=warps)

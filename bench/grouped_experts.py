@@ -73,11 +73,11 @@ def layout_only(x, w, slots, ids, layout):
     return x
 
 
-def sweep(problem: Problem, shape: Shape, kernels: list[str], deadline: float) -> dict:
-    """Each kernel's tiles under the best found so far, in the order of SWEEP."""
+def sweep(problem: Problem, shape: Shape, kernels: list[str], deadline: float, grid=SWEEP) -> dict:
+    """Each kernel's tiles under the best found so far, in the order of `grid` (SWEEP by default)."""
     best = GroupedConfig()
     result: dict = {}
-    for kernel, overrides in ((name, SWEEP[name]) for name in kernels):
+    for kernel, overrides in ((name, grid[name]) for name in kernels):
         times = {"default": graph_ms_per_call(problem, grouped_with(best), shape.layers, 10)}
         for fields in overrides:
             if time.monotonic() > deadline:

@@ -12,12 +12,18 @@ format: what a kernel reading each routed expert once must move, so a memory-bou
 speedup over bf16 should approach its byte ratio (int4 ~3.9x, int8 and fp8 ~2x). Errors: against
 fp32 math on the same quantized rows (the kernel's own error), and against the bf16 experts'
 output (what the format costs).
+
+--sweep: per quantized format, at the Mixtral shape, the fused kernel's tiles at T = 1 and the
+grouped kernel's at T = 32 (bench/fused_experts.py's and bench/grouped_experts.py's sweeps over
+grids of wider K steps: a quantized tile of the bf16 defaults' width moves 1/2 or 1/4 the bytes
+per loop step). Written under the key "sweeps".
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import fused_experts as fused_bench  # noqa: E402
+from bench import grouped_experts as grouped_bench  # noqa: E402
 from bench.fused_experts import SHAPES, Shape, copy_gbps, graph_ms_per_call  # noqa: E402
 from moe_serve.engine.experts.compute import accumulate_experts, gathered_experts  # noqa: E402
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
@@ -33,6 +41,19 @@ from moe_serve.engine.experts.grouped_experts import grouped_experts  # noqa: E4
 from moe_serve.engine.experts.layout import ExpertLayout  # noqa: E402
 
 PATHS = {"fused": fused_experts, "grouped": grouped_experts, "dispatch": gathered_experts}
+# (rows, cols, warps): K steps of 1-4x the bf16 defaults' 512 / 1024 elements
+FUSED_GATE_UP_GRID = [(8, 512, 4), (8, 1024, 4), (8, 2048, 4), (8, 2048, 8), (16, 1024, 8), (16, 2048, 8),
+                      (4, 2048, 4), (4, 4096, 8)]
+FUSED_DOWN_GRID = [(4, 1024, 4), (4, 2048, 4), (4, 4096, 8), (2, 4096, 4), (2, 2048, 4), (8, 2048, 8), (8, 1024, 4)]
+GROUPED_GRID = {
+    "gate_up": [{"gate_up_block_i": bi, "gate_up_block_h": bh, "gate_up_warps": w, "gate_up_stages": st}
+                for bi, bh, w, st in [(64, 256, 4, 3), (64, 256, 8, 3), (64, 512, 8, 2), (32, 512, 4, 3),
+                                      (128, 256, 8, 3), (32, 256, 4, 4)]],
+    "down": [{"down_block_h": bh, "down_block_i": bi, "down_warps": w, "down_stages": st}
+             for bh, bi, w, st in [(64, 256, 4, 3), (64, 256, 8, 3), (64, 512, 8, 2), (32, 512, 4, 3),
+                                   (128, 256, 8, 3), (32, 256, 4, 4)]],
+}
+SWEEP_SECONDS = 30  # per format and kernel, then no new config
 
 
 class Problem:
@@ -123,12 +144,41 @@ def rows_for_shape(shape: Shape, tokens_list: list[int], hbm_gbps: float, format
     return rows
 
 
+def sweeps(shape: Shape, formats: list[str]) -> dict:
+    """The quantized formats' tile sweeps at the given shape (see the module docstring)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+    plain = [torch.empty(shape.experts, bf16.numel, dtype=torch.bfloat16, device="cuda")
+             .normal_(0, shape.hidden**-0.5, generator=gen) for _ in range(shape.layers)]
+    found = {}
+    for quant in formats:
+        layout, slots = encoded_slots(shape, quant, plain)
+        problems = {}
+        for tokens in (1, 32):
+            ids = [torch.rand(tokens, shape.experts, generator=gen, device="cuda").argsort(-1)[:, : shape.top_k]
+                   for _ in range(shape.layers)]
+            x = torch.randn(tokens, shape.hidden, generator=gen, device="cuda").to(torch.bfloat16)
+            weights = torch.rand(tokens, shape.top_k, generator=gen, device="cuda").softmax(-1)
+            problems[tokens] = Problem(layout, slots, ids, x, weights)
+        found[quant] = {
+            "fused_t1": fused_bench.sweep(problems[1], shape, 1, time.monotonic() + SWEEP_SECONDS,
+                                          FUSED_GATE_UP_GRID, FUSED_DOWN_GRID),
+            "grouped_t32": grouped_bench.sweep(problems[32], shape, ["gate_up", "down"],
+                                               time.monotonic() + SWEEP_SECONDS, GROUPED_GRID),
+        }
+        print(json.dumps({quant: found[quant]}), flush=True)
+        del slots, problems
+        torch.cuda.empty_cache()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="a JSON file; its name should contain 'quant'")
     parser.add_argument("--tokens", default="1,32")
     parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
     parser.add_argument("--formats", default=",".join(FORMAT_NAMES), help="none (bf16) first: the baseline")
+    parser.add_argument("--sweep", action="store_true", help="only the tile sweeps of the quantized formats")
     args = parser.parse_args()
     formats = args.formats.split(",")
     if formats[0] != "none":
@@ -139,6 +189,11 @@ def main() -> None:
               "copy_gbps_read_plus_write": hbm, "rows": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tokens = list(map(int, args.tokens.split(",")))
+    if args.sweep:
+        shape = next(s for s in SHAPES if s.name == "mixtral-8x7b")
+        result["sweeps"] = sweeps(shape, formats[1:])
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        return
     for shape in (s for s in SHAPES if s.name in args.shapes.split(",")):
         result["rows"] += rows_for_shape(shape, tokens, hbm, formats)
         Path(args.out).write_text(json.dumps(result, indent=2))  # after every shape: a timeout keeps the rest

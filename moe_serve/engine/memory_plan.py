@@ -1,9 +1,10 @@
 """How the GPU's memory is shared at start-up: weights, activations, the paged KV cache and the expert cache.
 
 `--gpu-memory-utilization U` gives the engine U x the GPU's total memory (vLLM's meaning). Taken
-from it in order: the non-expert weights of the target (and of the draft), the one-sequence caches
-of speculative decoding, a reserve for activations (an estimate; see `activation_bytes`); what is
-left is shared by the paged KV cache and the expert cache. `--kv-cache-memory` and
+from it in order: what is already in use when the engine plans (its own CUDA context, measured,
+and anything else on the GPU), the non-expert weights of the target (and of the draft), the
+one-sequence caches of speculative decoding, a reserve for activations and the runtime (an
+estimate; see `activation_bytes`); what is left is shared by the paged KV cache and the expert cache. `--kv-cache-memory` and
 `--gpu-expert-budget` fix their part, and the other takes the rest. With neither fixed, everything
 is resident when it fits; when it does not, the KV cache keeps at least a quarter of what is left
 (and always room for one sequence of max_model_len), because every expert held on the GPU saves
@@ -25,14 +26,18 @@ from moe_serve.engine.models.blocks import CausalLM
 from moe_serve.engine.models.config import ModelConfig
 
 GIB = 2**30
-# the CUDA context, cuBLAS workspaces, CUDA graph pools and the allocator's slack, beyond the activations
-RUNTIME_RESERVE_BYTES = GIB
+# what the runtime adds after planning, beyond the activations: kernel modules loaded on first use
+# (cuBLAS, Triton), cuBLAS workspaces, CUDA graph pools and the allocator's slack. Measured on the
+# H100 with the default model (tests/engine/test_memory_plan.py's CUDA test): ~0.25 GiB of modules and
+# workspaces outside torch's allocator beyond the context, ~0.17 GiB of pools beyond the tensors.
+RUNTIME_RESERVE_BYTES = GIB // 2
 KV_SHARE = 0.25  # of what is left after weights and reserves, kept for the KV cache when experts do not all fit
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     usable_bytes: int | None  # U x the GPU's memory; None on a CPU
+    in_use_bytes: int  # in use on the GPU when the engine planned: its CUDA context, other processes
     weight_bytes: int  # non-expert weights, target and draft
     sequence_kv_bytes: int  # the contiguous one-sequence KV caches (speculative decoding, references)
     activation_bytes: int
@@ -46,7 +51,7 @@ class MemoryPlan:
         return None if self.expert_bytes >= self.all_expert_bytes else str(self.expert_bytes)
 
     def describe(self) -> str:
-        parts = (f"weights {_gib(self.weight_bytes)} + one-sequence KV {_gib(self.sequence_kv_bytes)} + "
+        parts = (f"in use at start-up {_gib(self.in_use_bytes)} + weights {_gib(self.weight_bytes)} + one-sequence KV {_gib(self.sequence_kv_bytes)} + "
                  f"activations {_gib(self.activation_bytes)} + paged KV {_gib(self.kv_bytes)} + experts "
                  f"{_gib(self.expert_bytes)} of {_gib(self.all_expert_bytes)}")
         if self.usable_bytes is None:
@@ -55,13 +60,14 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return (self.weight_bytes + self.sequence_kv_bytes + self.activation_bytes + self.kv_bytes
-                + self.expert_bytes)
+        return (self.in_use_bytes + self.weight_bytes + self.sequence_kv_bytes + self.activation_bytes
+                + self.kv_bytes + self.expert_bytes)
 
 
 def plan_memory(config: EngineConfig, model: ModelConfig, draft: ModelConfig | None, dtype: torch.dtype,
-                max_len: int, block_size: int, device_bytes: int | None) -> MemoryPlan:
-    """device_bytes: the GPU's total memory, None on a CPU. Raises ConfigError when the parts cannot fit."""
+                max_len: int, block_size: int, device_bytes: int | None, in_use_bytes: int = 0) -> MemoryPlan:
+    """device_bytes: the GPU's total memory, None on a CPU; in_use_bytes: what is in use on it now.
+    Raises ConfigError when the parts cannot fit."""
     per_block = kv_bytes_per_token(model, dtype) * block_size
     one_sequence_kv = blocks_for(max_len, block_size) * per_block
     all_experts = model.num_moe_layers * model.num_experts * model.expert_layout(dtype, config.expert_quant).nbytes
@@ -75,10 +81,10 @@ def plan_memory(config: EngineConfig, model: ModelConfig, draft: ModelConfig | N
     parts = dict(weight_bytes=weights, sequence_kv_bytes=sequence_kv, activation_bytes=activations,
                  all_expert_bytes=all_experts)
     if device_bytes is None:
-        return MemoryPlan(None, kv_bytes=fixed_kv if fixed_kv is not None else full_kv,
+        return MemoryPlan(None, 0, kv_bytes=fixed_kv if fixed_kv is not None else full_kv,
                           expert_bytes=fixed_experts if fixed_experts is not None else all_experts, **parts)
     usable = int(device_bytes * config.gpu_memory_utilization)
-    left = usable - weights - sequence_kv - activations
+    left = usable - in_use_bytes - weights - sequence_kv - activations
     if fixed_kv is not None and fixed_experts is not None:
         kv, experts = fixed_kv, fixed_experts
     elif fixed_experts is not None:
@@ -88,7 +94,7 @@ def plan_memory(config: EngineConfig, model: ModelConfig, draft: ModelConfig | N
         kv_kept = fixed_kv if fixed_kv is not None else min(full_kv, max(one_sequence_kv, int(KV_SHARE * left)))
         experts = min(all_experts, left - kv_kept)
         kv = kv_kept if fixed_kv is not None else min(full_kv, left - experts)
-    plan = MemoryPlan(usable, kv_bytes=kv, expert_bytes=experts, **parts)
+    plan = MemoryPlan(usable, in_use_bytes, kv_bytes=kv, expert_bytes=experts, **parts)
     _check(plan, one_sequence_kv, max_len)
     return plan
 

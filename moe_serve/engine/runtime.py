@@ -237,8 +237,11 @@ def build_runtime(config: EngineConfig) -> Runtime:
 def _memory_plan(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_len: int,
                  device: torch.device) -> MemoryPlan:
     draft = read_config(config.draft) if config.spec == "draft" and config.draft else None
-    device_bytes = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    plan = plan_memory(config, model_config, draft, dtype, max_len, KV_BLOCK_SIZE, device_bytes)
+    device_bytes = in_use = None
+    if device.type == "cuda":
+        free, device_bytes = torch.cuda.mem_get_info(device)  # creates the CUDA context first: it is counted
+        in_use = device_bytes - free
+    plan = plan_memory(config, model_config, draft, dtype, max_len, KV_BLOCK_SIZE, device_bytes, in_use or 0)
     log.info("memory plan: %s", plan.describe())
     return plan
 

@@ -9,7 +9,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from importlib.metadata import version
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from moe_serve.engine.cli import package_version
 from moe_serve.engine.config import EngineConfig
 from moe_serve.server.engine_client import EngineClient
 from moe_serve.server.errors import APIError, error_response, install_error_handlers, unknown_model
@@ -32,7 +32,7 @@ from moe_serve.server.tokenize_routes import router as tokenize_router
 from moe_serve.server.tokenizer import Tokenizer
 
 log = logging.getLogger("moe_serve")
-PACKAGE_VERSION = version("moe-serve")
+PACKAGE_VERSION = package_version()
 
 
 def create_app(settings: ServerSettings, engine_config: EngineConfig,

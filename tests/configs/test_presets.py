@@ -68,6 +68,7 @@ MACHINES: dict[str, tuple[dict[str, Any], dict[str, Any] | None, int]] = {
     "qwen1.5-moe-a2.7b-16gb": (QWEN1_5_MOE_A2_7B, QWEN1_5_0_5B, 16),
     "olmoe-1b-7b-8gb": (OLMOE_1B_7B, None, 8),
 }
+CUDA_CONTEXT = GIB // 2  # in use when the engine plans: what the arithmetic assumes of the card
 MEASURED_DRAFT_GAMMAS = (8, 12)  # the external draft's best lengths (README, Performance)
 
 
@@ -84,7 +85,8 @@ def _plan(preset: Path) -> MemoryPlan:
     engine = _engine(preset)
     draft_config = ModelConfig.from_hf(draft) if draft is not None and engine.spec == "draft" else None
     max_len = engine.max_model_len or target["max_position_embeddings"]  # unset: the model's own
-    return plan_memory(engine, ModelConfig.from_hf(target), draft_config, BF16, max_len, KV_BLOCK_SIZE, card_gb * 10**9)
+    return plan_memory(engine, ModelConfig.from_hf(target), draft_config, BF16, max_len, KV_BLOCK_SIZE, card_gb * 10**9,
+                       CUDA_CONTEXT)
 
 
 def test_the_four_presets_and_only_they() -> None:
@@ -132,6 +134,7 @@ def test_comments_state_the_plans_numbers(preset: Path) -> None:
     assert f"{share:.1%} of {plan.all_expert_bytes / GIB:.1f} GiB" in text
     assert f"total         {plan.total_bytes / GIB:.2f} GiB of {plan.usable_bytes / GIB:.2f}" in text
     assert f"non-expert    {non_expert_bytes(ModelConfig.from_hf(target), BF16) / GIB:.2f} GiB" in text
+    assert f"in use        {plan.in_use_bytes / GIB:.2f} GiB" in text
     assert f"activations   {plan.activation_bytes / GIB:.2f} GiB" in text
     assert f"= {plan.sequence_kv_bytes / GIB:.2f} GiB" in text  # the one-sequence KV line
     if draft is not None:
@@ -162,7 +165,7 @@ def test_mistral_7b_leaves_mixtral_almost_no_expert_slots_on_24_gb() -> None:
     one_sequence = kv_bytes_per_token(mixtral, BF16) * 4096
     engine = EngineConfig(model="x", spec="draft", draft="y", max_model_len=4096, max_num_seqs=32,
                           kv_cache_memory=str(one_sequence))
-    plan = plan_memory(engine, mixtral, mistral, BF16, 4096, KV_BLOCK_SIZE, 24 * 10**9)
+    plan = plan_memory(engine, mixtral, mistral, BF16, 4096, KV_BLOCK_SIZE, 24 * 10**9, CUDA_CONTEXT)
     slots = plan.expert_bytes // mixtral.expert_layout(BF16).nbytes
     assert slots == 2 and slots / (mixtral.num_moe_layers * mixtral.num_experts) < 0.01
     assert f"{(plan.usable_bytes - plan.total_bytes + plan.expert_bytes + plan.kv_bytes) / GIB:.1f} GiB left" in (

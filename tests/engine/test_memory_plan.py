@@ -71,7 +71,7 @@ def test_a_fixed_kv_cache_gives_the_rest_to_experts() -> None:
 
 
 def test_too_little_memory_names_the_numbers() -> None:
-    with pytest.raises(ConfigError, match="no GPU memory is left for experts: weights .* GiB"):
+    with pytest.raises(ConfigError, match="no GPU memory is left for experts: in use at start-up .* [+] weights .* MiB"):
         plan(fixed_bytes(MODEL, 1024) + 2**20, gpu_memory_utilization=1.0)
     with pytest.raises(ConfigError, match="less than one sequence of max_model_len 1024 needs"):
         plan(fixed_bytes(MODEL, 1024) + ALL_EXPERTS, gpu_memory_utilization=1.0, gpu_expert_budget="100%")
@@ -87,12 +87,12 @@ def test_on_the_cpu_utilization_does_not_apply() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_a_full_batch_stays_within_the_utilization() -> None:
     """On the GPU the plan's estimate meets reality: a --gpu-memory-utilization leaving room for half
-    the experts, then full prefill chunks and a full decode batch; the process (CUDA context, cuBLAS
-    and Triton workspaces, graph pools included) stays within U x the GPU's memory."""
+    the experts, then full prefill chunks and a full decode batch; what the GPU has in use (the CUDA
+    context, kernel modules, cuBLAS workspaces and graph pools included) stays within U x its memory."""
+    torch.cuda.empty_cache()  # what earlier tests left cached; the rest is counted by the plan as in use
     free, total = torch.cuda.mem_get_info()
-    assert total - free < 2 * GIB, "the GPU is in use by something else"
     max_len = 512
-    utilization = (fixed_bytes(MODEL, max_len) + ALL_EXPERTS // 2) / total
+    utilization = (total - free + fixed_bytes(MODEL, max_len) + ALL_EXPERTS // 2) / total
     core = EngineCore(EngineConfig(model=str(DEFAULT_MODEL), device="cuda", max_model_len=max_len,
                                    gpu_memory_utilization=utilization))
     try:

@@ -27,11 +27,13 @@ def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ..
     return [(-(-h // step) * step, -(-i // step) * step, *rest) for h, i, *rest in cases]
 
 
-def bf16_decoded_reference(layout: ExpertLayout, slots: torch.Tensor) -> tuple[ExpertLayout, torch.Tensor]:
-    """Plain fp32 rows of the weights a bf16 kernel multiplies (the slots decoded to bf16, as tl.dot
-    takes them): fp32 math over them is what the kernels must match up to their fp32 accumulation."""
+def decoded_reference(layout: ExpertLayout, slots: torch.Tensor, multiplied: torch.dtype) -> tuple[ExpertLayout, torch.Tensor]:
+    """Plain fp32 rows of the weights a kernel multiplies, the slots decoded to `multiplied` (bf16
+    where tl.dot takes them, fp32 where a GEMV multiplies in registers): fp32 math over them is what
+    the kernel must match up to its fp32 accumulation."""
     exact = ExpertLayout(layout.hidden_size, layout.intermediate_size, torch.float32)
+    decode = ExpertLayout(layout.hidden_size, layout.intermediate_size, multiplied, layout.format)
     rows = torch.empty(len(slots), exact.numel, device=slots.device)
     for matrix in ("gate_up", "down"):
-        exact.write(rows, matrix, layout.weights(slots, matrix).float())
+        exact.write(rows, matrix, decode.weights(slots, matrix).float())
     return exact, rows

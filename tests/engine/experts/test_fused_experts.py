@@ -24,7 +24,7 @@ from moe_serve.engine.experts.fused_experts import (
     fused_experts_available,
 )
 from moe_serve.engine.experts.layout import ExpertLayout
-from tests.engine.experts.slot_rows import bf16_decoded_reference, fitted_cases, random_slots
+from tests.engine.experts.slot_rows import decoded_reference, fitted_cases, random_slots
 from tests.triton_interpreter import needs_triton, run_interpreted
 
 # Blocks far smaller than the shapes: every kernel loops, and every edge is masked.
@@ -90,7 +90,7 @@ def test_not_available_on_cpu():
 def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)
     layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
-    exact_layout, exact_slots = bf16_decoded_reference(layout, slots)
+    exact_layout, exact_slots = decoded_reference(layout, slots, torch.float32)  # the GEMV multiplies in fp32
     exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
     fused = fused_experts(x, weights, slots, ids, layout)
     assert fused.dtype == torch.bfloat16 and fused.shape == (t, h)

@@ -22,7 +22,7 @@ from moe_serve.engine.experts.compute import (
 )
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
-from tests.engine.experts.slot_rows import bf16_decoded_reference, fitted_cases, random_slots
+from tests.engine.experts.slot_rows import decoded_reference, fitted_cases, random_slots
 from tests.triton_interpreter import needs_triton, run_interpreted
 
 NUM_SLOTS = 9  # more slots than the routings below use
@@ -151,7 +151,7 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
-    exact_layout, exact_slots = bf16_decoded_reference(layout, slots)
+    exact_layout, exact_slots = decoded_reference(layout, slots, torch.bfloat16)  # tl.dot takes bf16 tiles
     exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
     grouped = grouped_experts(x, weights, slots, ids, layout)
     assert grouped.dtype == torch.bfloat16 and grouped.shape == (t, h)

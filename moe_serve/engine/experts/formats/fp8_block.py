@@ -78,12 +78,20 @@ if triton is not None:
         cols = k0 + tl.arange(0, BLOCK_K)
         mask = row_ok[:, None] & (cols < K)[None, :]
         q = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0, eviction_policy=EVICT)
-        if B % BLOCK_K == 0:  # the tile lies in one column of blocks: one scale per row
+        R: tl.constexpr = rows.shape[0]
+        v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [R, BLOCK_K]
+        # one scale load per row and block of columns, not per weight, as int4's group scales
+        if B % BLOCK_K == 0:  # the tile lies in one column of blocks
             s = tl.load(s_ptr + (rows // B) * KB + k0 // B, mask=row_ok, other=0.0)  # [R]
-            w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]
+            w = v * s[:, None]
+        elif BLOCK_K % B == 0:  # the tile holds whole blocks of columns
+            block = k0 // B + tl.arange(0, BLOCK_K // B)  # [BLOCK_K / B]
+            s = tl.load(s_ptr + (rows // B)[:, None] * KB + block[None, :],
+                        mask=row_ok[:, None] & (block < KB)[None, :], other=0.0)  # [R, BLOCK_K / B]
+            w = tl.reshape(tl.reshape(v, (R, BLOCK_K // B, B)) * s[:, :, None], (R, BLOCK_K))
         else:
             s = tl.load(s_ptr + (rows // B)[:, None] * KB + (cols // B)[None, :], mask=mask, other=0.0)  # [R, BLOCK_K]
-            w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s
+            w = v * s
         if TRANSPOSE:
             return tl.trans(w)
         else:
