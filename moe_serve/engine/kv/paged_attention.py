@@ -19,6 +19,13 @@ Two paths behind `paged_attention`:
 Both accumulate in fp32 and cast to q's dtype once. Triton is imported guarded, so the module
 imports where it is absent (CPU CI).
 
+Long runs of one sequence's queries (prefill chunks) attend per sequence with SDPA instead: its
+keys gathered once, then one fused attention call. Measured on the H100 (bench/results/attention/):
+a 512-token chunk over 2,048 keys takes 0.69 ms in the Triton kernel (each query re-reads the
+sequence's K/V) and 0.09 ms gathered + SDPA, while decode batches and 5-token verify spans are
+2-4x faster in the kernel. The runs come from the host's step layout of an eager step, so
+choosing them costs no sync; CUDA-graphed decode steps have none.
+
 Kernel limits: any head_dim (padded to a power of two >= 16 and masked) and any block_size; the
 g query heads of a kv head are padded to tl.dot's 16 rows (free while memory-bound). q and the
 cache must share a dtype (bf16, fp16, fp32). One program per (token, kv head) and no split over
@@ -44,6 +51,32 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Elements of gathered K (and as many of V) per chunk of queries in the torch path: bounds its
 # memory at long prefills, where T queries each gather max_span keys.
 _TORCH_GATHER_ELEMENTS = 1 << 24
+# One sequence's queries in a step from which SDPA over its gathered keys beats the Triton kernel on
+# a GPU: 5 queries are faster in the kernel, 512 are 3-8x faster in SDPA (bench/results/attention/);
+# the crossover between was not measured.
+PREFILL_RUN_MIN_QUERIES = 128
+
+
+@dataclass(frozen=True)
+class QueryRun:
+    """Consecutive queries [start, end) of one sequence (row `seq` of the block tables), whose keys
+    are positions 0..span-1: the unit the per-sequence path attends."""
+    start: int
+    end: int
+    seq: int
+    span: int
+
+
+def query_runs(query_seq: list[int], positions: list[int]) -> list[QueryRun]:
+    """The runs of a step's queries, from host lists."""
+    runs, start = [], 0
+    while start < len(query_seq):
+        end = start
+        while end < len(query_seq) and query_seq[end] == query_seq[start]:
+            end += 1
+        runs.append(QueryRun(start, end, query_seq[start], max(positions[start:end]) + 1))
+        start = end
+    return runs
 
 
 @dataclass(frozen=True)
@@ -72,15 +105,27 @@ def paged_attention_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_seq: torch.Tensor, query_pos: torch.Tensor, *, scale: float, window: int | None,
-                    max_span: int) -> torch.Tensor:
+                    max_span: int, prefill_runs: tuple[QueryRun, ...] = (),
+                    other_queries: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, nq, D] over one layer's paged cache [num_blocks, block_size, nkv, D] -> [T, nq, D] in q's dtype.
 
     block_tables [B, max_blocks] int32; query_seq [T] (a row of block_tables) and query_pos [T]
     (absolute position) per query; max_span >= max(query_pos) + 1, read by the torch path only.
+    prefill_runs: runs of at least PREFILL_RUN_MIN_QUERIES queries, which a GPU attends per sequence;
+    other_queries: the indices of every query outside them (both from the host's step layout).
     """
     if paged_attention_supported(q, k_cache, v_cache):
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
-                                      window=window)
+        if not prefill_runs:
+            return paged_attention_triton(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
+                                          window=window)
+        out = torch.empty_like(q)
+        if other_queries is not None and other_queries.numel():
+            out[other_queries] = paged_attention_triton(q[other_queries], k_cache, v_cache, block_tables,
+                                                        query_seq[other_queries], query_pos[other_queries],
+                                                        scale=scale, window=window)
+        for run in prefill_runs:
+            out[run.start:run.end] = _attend_run(q, k_cache, v_cache, block_tables, query_pos, run, scale, window)
+        return out
     if q.device.type == "cpu":
         return paged_attention_per_sequence(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
                                             window=window)
@@ -140,28 +185,29 @@ def paged_attention_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     free on a CPU and why the GPU without triton keeps the reference (CUDA graphs capture that).
     """
     out = torch.zeros_like(q)  # queries at negative positions (padding) stay zeros
-    seqs, positions = query_seq.tolist(), query_pos.tolist()
-    block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
-    start = 0
-    while start < len(seqs):
-        end = start
-        while end < len(seqs) and seqs[end] == seqs[start]:
-            end += 1
-        span = max(positions[start:end]) + 1
-        if span > 0:
-            blocks = block_tables[seqs[start], : -(-span // block_size)].long()
-            keys = k_cache[blocks].flatten(0, 1)[:span]  # [span, nkv, D]
-            values = v_cache[blocks].flatten(0, 1)[:span]
-            allowed = _allowed(query_pos[start:end], span, window)  # [L, span]
-            seen = allowed.any(dim=1)  # a padding query sees nothing: SDPA would give NaN
-            attn = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1).float(),  # [nq, L, D]
-                keys.transpose(0, 1).float().repeat_interleave(groups, dim=0),  # [nq, span, D]
-                values.transpose(0, 1).float().repeat_interleave(groups, dim=0),
-                attn_mask=allowed | ~seen[:, None], scale=scale)  # [nq, L, D]
-            out[start:end] = attn.transpose(0, 1).masked_fill(~seen[:, None, None], 0.0).to(q.dtype)
-        start = end
+    for run in query_runs(query_seq.tolist(), query_pos.tolist()):
+        if run.span > 0:
+            out[run.start:run.end] = _attend_run(q, k_cache, v_cache, block_tables, query_pos, run, scale, window)
     return out
+
+
+def _attend_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                query_pos: torch.Tensor, run: QueryRun, scale: float, window: int | None) -> torch.Tensor:
+    """One run's queries over its sequence's keys, gathered once -> [L, nq, D] in q's dtype. SDPA
+    computes in q's dtype on a GPU (its fused kernels accumulate in fp32), in fp32 on a CPU."""
+    block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    compute = q.dtype if q.device.type == "cuda" else torch.float32
+    blocks = block_tables[run.seq, : -(-run.span // block_size)].long()
+    keys = k_cache[blocks].flatten(0, 1)[:run.span]  # [span, nkv, D]
+    values = v_cache[blocks].flatten(0, 1)[:run.span]
+    allowed = _allowed(query_pos[run.start:run.end], run.span, window)  # [L, span]
+    seen = allowed.any(dim=1)  # a padding query sees nothing: SDPA would give NaN
+    attn = F.scaled_dot_product_attention(
+        q[run.start:run.end].transpose(0, 1).to(compute),  # [nq, L, D]
+        keys.transpose(0, 1).to(compute).repeat_interleave(groups, dim=0),  # [nq, span, D]
+        values.transpose(0, 1).to(compute).repeat_interleave(groups, dim=0),
+        attn_mask=allowed | ~seen[:, None], scale=scale)  # [nq, L, D]
+    return attn.transpose(0, 1).masked_fill(~seen[:, None, None], 0.0).to(q.dtype)
 
 
 def _allowed(query_pos: torch.Tensor, span: int, window: int | None) -> torch.Tensor:

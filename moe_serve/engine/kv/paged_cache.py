@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_serve.engine.kv.paged_attention import paged_attention
+from moe_serve.engine.kv.paged_attention import (
+    PREFILL_RUN_MIN_QUERIES,
+    QueryRun,
+    paged_attention,
+    query_runs,
+)
 
 if TYPE_CHECKING:  # the models package imports this module
     from moe_serve.engine.kv_cache import KVCache
@@ -105,6 +110,10 @@ class PagedStep:
     query_seq: torch.Tensor  # [T] int64, its row of block_tables
     block_tables: torch.Tensor  # [S, max_blocks] int32
     max_span: int  # host bound on position + 1 over the tokens
+    # an eager step's prefill chunks long enough for per-sequence attention, and every other token's
+    # index (kv/paged_attention.py); none in a captured decode step
+    prefill_runs: tuple[QueryRun, ...] = ()
+    other_queries: torch.Tensor | None = None  # [T - tokens in prefill_runs] int64
 
     @classmethod
     def build(cls, cache: PagedKVCache, layout: StepLayout, device: torch.device) -> PagedStep:
@@ -112,12 +121,17 @@ class PagedStep:
         tables = [table + [0] * (width - len(table)) for table in layout.tables]
         host = torch.tensor([layout.positions, layout.slots, layout.query_seq], dtype=torch.long)  # [3, T]
         dev = host.to(device, non_blocking=True)
+        runs = tuple(run for run in query_runs(layout.query_seq, layout.positions)
+                     if run.end - run.start >= PREFILL_RUN_MIN_QUERIES)
+        in_runs = {t for run in runs for t in range(run.start, run.end)}
+        others = torch.tensor([t for t in range(len(layout.positions)) if t not in in_runs], dtype=torch.long)
         return cls(cache, dev[0], dev[1], dev[2], torch.tensor(tables, dtype=torch.int32).to(device),
-                   layout.max_span)
+                   layout.max_span, runs, others.to(device, non_blocking=True) if runs else None)
 
     def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this step's k, v [T, nkv, D], then attend q [T, nq, D] over each token's sequence -> [T, nq*D]."""
         self.cache.write(layer, self.slots, k, v)
         out = paged_attention(q, self.cache.keys[layer], self.cache.values[layer], self.block_tables, self.query_seq,
-                              self.positions, scale=q.shape[-1] ** -0.5, window=window, max_span=self.max_span)
+                              self.positions, scale=q.shape[-1] ** -0.5, window=window, max_span=self.max_span,
+                              prefill_runs=self.prefill_runs, other_queries=self.other_queries)
         return out.reshape(q.shape[0], -1)

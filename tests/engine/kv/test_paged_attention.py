@@ -25,6 +25,7 @@ from moe_serve.engine.kv.paged_attention import (
     paged_attention_available,
     paged_attention_torch,
 )
+from moe_serve.engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
 from tests.triton_interpreter import needs_triton, run_interpreted
 
 # (sequence lengths, queries per sequence, nkv, g, D, block_size, window)
@@ -164,6 +165,54 @@ def test_dispatch_takes_the_per_sequence_path_on_cpu():
                                rtol=0, atol=0)
 
 
+PREFILL_CASE = ([300, 40, 9, 200], [pa.PREFILL_RUN_MIN_QUERIES + 20, 3, 1, pa.PREFILL_RUN_MIN_QUERIES],
+                2, 2, 16, 16, 150)
+
+
+def with_prefill_runs(p: Problem) -> tuple[Problem, tuple[pa.QueryRun, ...], torch.Tensor]:
+    """p's queries in step order (each sequence's together), its long runs and the other queries' indices."""
+    order = torch.sort(p.query_seq, stable=True).indices
+    p.q, p.query_seq, p.query_pos = p.q[order], p.query_seq[order], p.query_pos[order]
+    runs = tuple(r for r in pa.query_runs(p.query_seq.tolist(), p.query_pos.tolist())
+                 if r.end - r.start >= pa.PREFILL_RUN_MIN_QUERIES)
+    others = torch.tensor([t for t in range(len(p.q)) if not any(r.start <= t < r.end for r in runs)],
+                          device=p.q.device)
+    return p, runs, others
+
+
+def test_a_gpu_attends_long_prefill_runs_per_sequence_and_the_rest_in_the_kernel(monkeypatch):
+    """The split an eager GPU step takes: runs of PREFILL_RUN_MIN_QUERIES or more queries go to SDPA
+    over their sequence's gathered keys, every other query to the kernel (here the reference stands
+    in for it, on CPU), and together they equal the reference."""
+    p, runs, others = with_prefill_runs(make_problem(PREFILL_CASE))
+    assert [r.seq for r in runs] == [0, 3]
+    kernel_queries = []
+
+    def kernel(q, k_cache, v_cache, block_tables, query_seq, query_pos, *, scale, window):
+        kernel_queries.append(len(q))
+        return paged_attention_torch(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
+                                     window=window, max_span=p.max_span)
+
+    monkeypatch.setattr(pa, "paged_attention_supported", lambda *_: True)
+    monkeypatch.setattr(pa, "paged_attention_triton", kernel)
+    got = paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span, prefill_runs=runs,
+                          other_queries=others)
+    assert kernel_queries == [4]
+    torch.testing.assert_close(got, torch_path(p), rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_layout_marks_only_long_chunks_as_prefill_runs():
+    cache = PagedKVCache(1, 64, 16, 1, 8, device="cpu", dtype=torch.float32)
+    long = pa.PREFILL_RUN_MIN_QUERIES
+    layout = StepLayout.of([(list(range(20)), 40, 1), (list(range(20, 40)), 0, long), (list(range(40, 60)), 7, 5)], 16)
+    step = PagedStep.build(cache, layout, torch.device("cpu"))
+    assert step.prefill_runs == (pa.QueryRun(1, 1 + long, 1, long),)
+    assert step.other_queries.tolist() == [0, *range(1 + long, 6 + long)]
+    short = PagedStep.build(cache, StepLayout.of([(list(range(20)), 40, 1), (list(range(20, 40)), 0, 5)], 16),
+                            torch.device("cpu"))
+    assert short.prefill_runs == () and short.other_queries is None
+
+
 def check_interpreted(cases: list[tuple]) -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: the fp32 kernel on CPU tensors vs both references."""
     from moe_serve.engine.kv.paged_attention import paged_attention_triton
@@ -223,3 +272,12 @@ def test_cuda_graph_replays_new_positions_and_tables(path):
     graph.replay()
     torch.testing.assert_close(captured, run(), rtol=0, atol=0)
     torch.testing.assert_close(captured.float(), expected(p), rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+def test_cuda_bf16_prefill_runs_match_the_reference():
+    """The split on a GPU: long runs through bf16 SDPA, the rest through the kernel."""
+    p, runs, others = with_prefill_runs(make_problem(PREFILL_CASE, torch.bfloat16, "cuda"))
+    got = paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span, prefill_runs=runs,
+                          other_queries=others)
+    torch.testing.assert_close(got.float(), expected(p), rtol=2e-2, atol=2e-2)
