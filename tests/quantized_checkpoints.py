@@ -60,3 +60,30 @@ def assert_same_model(quantized: LoadedModel, reference: LoadedModel) -> None:
         torch.testing.assert_close(quantized.store.layout.weights(quantized.store.rows, matrix),
                                    reference.store.layout.weights(reference.store.rows, matrix), rtol=0, atol=0)
     torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-5, atol=1e-5)
+
+
+def int4_groups(w: torch.Tensor, group_size: int, sym: bool
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's and AWQ's round-to-nearest 4-bit groups of w [N, K], written here from their description:
+    codes [N, K] and zeros [N, G] (int64, 0..15), fp16 scales [N, G], and the weights (q - z) * s they
+    decode to [N, K]. sym: z = 8, s = absmax / 7.5; asym: the group's range widened to hold 0,
+    s = range / 15, z = round(-min / s)."""
+    groups = w.float().unflatten(-1, (-1, group_size))  # [N, G, g]
+    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)  # [N, G]
+    if sym:
+        high = torch.maximum(high, -low)
+        low = -high
+    scales = ((high - low) / 15).to(torch.float16)
+    scales = torch.where(scales > 0, scales, 1.0)
+    zeros = torch.full_like(low, 8) if sym else (-low / scales.float()).round().clamp(0, 15)
+    codes = ((groups / scales.float()[..., None]).round() + zeros[..., None]).clamp(0, 15)  # [N, G, g]
+    dequantized = (codes - zeros[..., None]) * scales.float()[..., None]
+    return codes.flatten(-2).long(), zeros.long(), scales, dequantized.flatten(-2)
+
+
+def pack_int32(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Values 0..15 -> int32 words of eight, `dim` eight times shorter: nibble i (bits 4i..4i+3) of word w
+    holds value 8w + order[i] along dim, as GPTQ (order 0..7) and AWQ pack them."""
+    eights = values.movedim(dim, -1).long().unflatten(-1, (-1, 8))[..., list(order)]  # [..., W, 8] by nibble
+    words = (eights << (4 * torch.arange(8))).sum(-1)  # [..., W] as unsigned 32-bit values
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim).contiguous()

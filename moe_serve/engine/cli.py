@@ -21,10 +21,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by moe-generate and moe-serve (the server imports this)."""
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                        help="local Hugging Face checkpoint folder (the same as --model; default: the embedded "
-                             "small code model)")
-    parser.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR",
-                        help="local Hugging Face checkpoint folder; hub ids are not downloaded")
+                        help="local Hugging Face checkpoint folder or GGUF file (the same as --model; default: the "
+                             "embedded small code model)")
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR|FILE.gguf",
+                        help="local Hugging Face checkpoint folder, or a llama.cpp GGUF file (its experts kept in "
+                             "their Q8_0/Q4_K/Q5_K/Q6_K blocks); hub ids are not downloaded")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
@@ -44,8 +45,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "copying it to the GPU")
     parser.add_argument("--expert-quant", default=EngineConfig.expert_quant, choices=FORMAT_NAMES,
                         help="quantize the routed experts at load (int8 per channel, int4 in groups of 128, fp8 e4m3 "
-                             "per channel): they are stored, copied over PCIe and read by the kernels quantized; "
-                             "other weights keep --dtype")
+                             "per channel, or a format quantized checkpoints and GGUF files publish): they are stored, "
+                             "copied over PCIe and read by the kernels quantized; other weights keep --dtype. A "
+                             "quantized checkpoint's experts keep their own format")
     parser.add_argument("--max-model-len", type=positive_int, default=None,
                         help="longest prompt + completion in tokens (default: the model's own context length; "
                              "longer is an error)")
@@ -145,12 +147,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _load_tokenizer(model_dir: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
+    from moe_serve.engine.gguf import is_gguf, tokenizer_source
     from moe_serve.engine.preflight import TOKENIZER_FILES
 
-    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+    if not is_gguf(model_dir) and not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         return None
+    folder, gguf = tokenizer_source(model_dir)
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
     except (OSError, ValueError) as exc:
         sys.exit(f"moe-generate: cannot load the tokenizer in {model_dir}: {exc}")
 

@@ -11,6 +11,9 @@ A quantized checkpoint (config.json's quantization_config; quantized_checkpoints
 weight as several tensors named by suffix: step (0) groups them under the weight's name and checks
 each group is complete; a group is read as one, its routed experts kept in their published
 format, its other weights dequantized to the model's dtype.
+
+A GGUF file (gguf/) is the other kind of Checkpoint: its own config, name rules and reader, the
+same steps (0)-(3).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, NamedTuple, Protocol
 
 import torch
 from safetensors import safe_open
@@ -28,6 +31,7 @@ from tqdm import tqdm
 
 from moe_serve.engine.experts.routing import ExpertRunner
 from moe_serve.engine.experts.store import ExpertStore
+from moe_serve.engine.gguf import is_gguf
 from moe_serve.engine.models.blocks import CausalLM
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
@@ -54,9 +58,15 @@ class LoadedModel(NamedTuple):
     config: ModelConfig
 
 
+class EncodedWeight(NamedTuple):
+    """A routed expert weight already in the expert format's encoding, as the checkpoint publishes it."""
+    data: torch.Tensor
+    scales: torch.Tensor | None
+
+
 @dataclass(frozen=True)
-class _Target:
-    hf_name: str
+class TensorTarget:
+    hf_name: str  # the tensor's name in the checkpoint
     file: Path
     ours: str  # parameter name, or "expert.<part>"
     part: str | None
@@ -89,7 +99,48 @@ def read_hf_config(path: str | Path) -> dict:
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    return ModelConfig.from_hf(read_hf_config(path))
+    return open_checkpoint(path).config
+
+
+Tensors = Iterator[tuple[TensorTarget, torch.Tensor | dict[str, torch.Tensor] | EncodedWeight]]
+
+
+class Checkpoint(Protocol):
+    """What load_model reads: the model's config, the rules the tensor names map by, every tensor
+    mapped to its target before any data is read, then the targets' tensors one at a time (a plain
+    tensor, a quantized weight's tensors by role for `quant`, or an EncodedWeight)."""
+    config: ModelConfig
+    quant: CheckpointQuant | None
+    rules: tuple[TensorRule, ...]
+
+    def targets(self) -> list[TensorTarget]: ...
+
+    def tensors(self, targets: list[TensorTarget], bar: tqdm) -> Tensors: ...
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """A Hugging Face checkpoint folder, or a GGUF file (gguf/checkpoint.py)."""
+    if is_gguf(path):
+        from moe_serve.engine.gguf.checkpoint import GgufCheckpoint  # reads the file's header now
+
+        return GgufCheckpoint(Path(path))
+    return SafetensorsCheckpoint(Path(path))
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face checkpoint folder: config.json and its safetensors files."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        hf = read_hf_config(path)
+        self.config, self.quant = ModelConfig.from_hf(hf), checkpoint_quant(hf)
+        self.rules = FAMILIES[self.config.architecture].rules
+
+    def targets(self) -> list[TensorTarget]:
+        return _plan(checkpoint_files(self.path), self.rules, self.quant)
+
+    def tensors(self, targets: list[TensorTarget], bar: tqdm) -> Tensors:
+        return _tensors(targets, bar)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -120,15 +171,13 @@ def load_model(
     """Load a local HF checkpoint dir; runner_factory(store, config) is required for MoE models.
     `expert_quant`: the format the routed experts are encoded in as they stream into the store
     (moe_serve/engine/experts/formats/); every other weight keeps `dtype`."""
-    hf = read_hf_config(path)
-    config, quant = ModelConfig.from_hf(hf), checkpoint_quant(hf)
+    checkpoint = open_checkpoint(path)
+    config, quant, rules = checkpoint.config, checkpoint.quant, checkpoint.rules
     dtype = resolve_dtype(dtype, device)
     if config.is_moe and runner_factory is None:
         raise ValueError(f"{config.architecture} is an MoE model: pass runner_factory")
-    rules = FAMILIES[config.architecture].rules
-    files = checkpoint_files(path)
-    targets = _plan(files, rules, quant)
-    log.info("loading weights: %d tensors from %d files in %s", len(targets), len(files), path)
+    targets = checkpoint.targets()
+    log.info("loading weights: %d tensors from %s", len(targets), path)
     started = time.monotonic()
     # a bar only on a terminal (disable=None): in a log file its carriage returns are noise
     with tqdm(total=len(targets), desc="loading weights", unit="tensor", disable=None if progress else True) as bar:
@@ -136,10 +185,10 @@ def load_model(
         if config.is_moe:
             layout = config.expert_layout(dtype, expert_quant)
             store = ExpertStore.for_device(config.num_moe_layers, config.num_experts, layout, device)
-            _load_experts(store, config, rules, quant, [t for t in targets if t.is_expert], bar)
+            _load_experts(store, config, rules, quant, checkpoint.tensors([t for t in targets if t.is_expert], bar))
             runner = runner_factory(store, config)
         model = CausalLM(config, runner, device=device, dtype=dtype)
-        _load_params(model, config, rules, quant, [t for t in targets if not t.is_expert], bar)
+        _load_params(model, config, rules, quant, checkpoint.tensors([t for t in targets if not t.is_expert], bar))
     log.info("weights loaded in %.1f s", time.monotonic() - started)
     return LoadedModel(model.eval(), store, config)
 
@@ -149,11 +198,11 @@ def _compile(rule: TensorRule) -> re.Pattern[str]:
     return re.compile(pattern + "$")
 
 
-def _plan(files: list[Path], rules: tuple[TensorRule, ...], quant: CheckpointQuant | None) -> list[_Target]:
+def _plan(files: list[Path], rules: tuple[TensorRule, ...], quant: CheckpointQuant | None) -> list[TensorTarget]:
     """Every tensor name in the checkpoint mapped to its target, a quantized weight's tensors grouped
     into one; unknown names and incomplete groups fail here, before any data is read."""
     compiled = [(rule, _compile(rule)) for rule in rules]
-    targets: list[_Target] = []
+    targets: list[TensorTarget] = []
     groups: dict[str, dict[str, tuple[Path, str]]] = {}  # weight name -> role -> (file, tensor name)
     float_weights: set[str] = set()  # tensors a module left unquantized may be
     for file in files:
@@ -196,7 +245,13 @@ def _quantized_part(name: str, quant: CheckpointQuant | None,
     return None
 
 
-def _match(name: str, file: Path, rules: list[tuple[TensorRule, re.Pattern[str]]]) -> _Target:
+def map_names(names: list[str], file: Path, rules: tuple[TensorRule, ...]) -> list[TensorTarget]:
+    """Each tensor name mapped to its target by the rules; LoadError naming one no rule maps."""
+    compiled = [(rule, _compile(rule)) for rule in rules]
+    return [_match(name, file, compiled) for name in names]
+
+
+def _match(name: str, file: Path, rules: list[tuple[TensorRule, re.Pattern[str]]]) -> TensorTarget:
     for rule, pattern in rules:
         m = pattern.match(name)
         if m:
@@ -204,14 +259,14 @@ def _match(name: str, file: Path, rules: list[tuple[TensorRule, re.Pattern[str]]
             layer = int(groups["L"]) if "L" in groups else None
             expert = int(groups["E"]) if "E" in groups else None
             ours = rule.ours.replace("{L}", str(layer))
-            return _Target(name, file, ours, rule.part, layer, expert)
+            return TensorTarget(name, file, ours, rule.part, layer, expert)
     raise LoadError(f"unexpected tensor {name!r} in {file.name}: no rule of this family maps it")
 
 
-def _tensors(targets: list[_Target], bar: tqdm) -> Iterator[tuple[_Target, torch.Tensor | dict[str, torch.Tensor]]]:
+def _tensors(targets: list[TensorTarget], bar: tqdm) -> Tensors:
     """Read targets one at a time, opening each file once: a plain target's tensor, a quantized
     one's tensors by role (those in other files opened when its group is read)."""
-    by_file: dict[Path, list[_Target]] = {}
+    by_file: dict[Path, list[TensorTarget]] = {}
     for target in targets:
         by_file.setdefault(target.file, []).append(target)
     for file, file_targets in by_file.items():
@@ -233,10 +288,10 @@ def _read(opened, opened_file: Path, file: Path, name: str) -> torch.Tensor:
 
 def _load_experts(
     store: ExpertStore, config: ModelConfig, rules: tuple[TensorRule, ...], quant: CheckpointQuant | None,
-    targets: list[_Target], bar: tqdm
+    tensors: Tensors
 ) -> None:
     filled: set[tuple[int, int, str]] = set()
-    for target, tensor in _tensors(targets, bar):
+    for target, tensor in tensors:
         moe = config.moe_index(target.layer)
         if moe is None:
             raise LoadError(f"unexpected tensor {target.hf_name!r}: layer {target.layer} is not an MoE layer")
@@ -250,7 +305,9 @@ def _load_experts(
         filled |= keys
         try:
             if isinstance(tensor, dict):
-                store.put_encoded(moe, target.expert, part, *quant.expert_parts(tensor, store.layout.format))
+                tensor = EncodedWeight(*quant.expert_parts(tensor, store.layout.format))
+            if isinstance(tensor, EncodedWeight):
+                store.put_encoded(moe, target.expert, part, tensor.data, tensor.scales)
             elif target.expert is None:
                 store.put_fused(moe, **{part: tensor})
             else:
@@ -261,7 +318,7 @@ def _load_experts(
     missing = sorted(expected - filled)
     if missing:
         m, e, p = missing[0]
-        rule = next(r for r in rules if r.ours == EXPERT_PREFIX + p and "{E}" in r.hf)
+        rule = next(r for r in rules if r.ours == EXPERT_PREFIX + p)  # per-expert names first, where a family has both
         name = rule.hf.replace("{L}", str(config.moe_layers[m])).replace("{E}", str(e))
         raise LoadError(f"missing tensor {name!r} ({len(missing)} expert weights missing)")
 
@@ -279,11 +336,11 @@ def _part_rows(config: ModelConfig, param: torch.Tensor, part: str | None) -> sl
 
 def _load_params(
     model: CausalLM, config: ModelConfig, rules: tuple[TensorRule, ...], quant: CheckpointQuant | None,
-    targets: list[_Target], bar: tqdm
+    tensors: Tensors
 ) -> None:
     params = dict(model.named_parameters())
     filled: set[tuple[str, str | None]] = set()
-    for target, tensor in _tensors(targets, bar):
+    for target, tensor in tensors:
         if isinstance(tensor, dict):
             try:
                 tensor = quant.dequantize(tensor, model.dtype)

@@ -2,7 +2,8 @@
 
 The scheduler decides which tokens of which sequences; this turns them into the forward's flat
 token ids, positions and KV slots (moe_serve/engine/kv/paged_cache.py), keeps the logits of only the
-rows that sample, and samples them all at once (moe_serve/engine/sampler.py).
+rows that sample, and samples them all at once (moe_serve/engine/sampler.py) under the grammar masks
+that fill on the host while the forward runs (moe_serve/engine/structured.py).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from moe_serve.engine.models.blocks import CausalLM
 from moe_serve.engine.prompt_logprobs import score_prompt_tokens
 from moe_serve.engine.sampler import SamplingBatch, SamplingRow, sample
 from moe_serve.engine.scheduler import ScheduledChunk
-from moe_serve.engine.structured import MaskFiller
+from moe_serve.engine.structured import MaskFiller, PendingMasks
 
 
 @dataclass(frozen=True)
@@ -42,36 +43,40 @@ class ModelRunner:
         self.device = model.device
         self.on_forward = on_forward  # told the positions of each forward's tokens (routing traces)
         self.graphs = graphs  # decode-only steps replay CUDA graphs when set
-        self.masks = MaskFiller()  # constrained rows' token masks (moe_serve/engine/structured.py)
+        self.masks = MaskFiller()  # the grammar masks, filled beside each forward (moe_serve/engine/structured.py)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
         """Run chunks' tokens; per chunk, the token sampled after it and the prompt logprobs it scored."""
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        scored = [c.seq.unscored_prompt_positions(c.start, c.start + c.num_tokens) for c in chunks]
+        with self.masks.filling([chunks[i].seq.grammar for i in sampling], self.device) as masks:
+            logits = self._forward(chunks, sampling, scored)  # [S + P, V]
+            prompt_logprobs = self._score_prompts(chunks, scored, logits[len(sampling):]) if any(scored) else {}
+            sampled = self._sample(chunks, sampling, logits[:len(sampling)], masks) if sampling else {}
+        return [ChunkResult(sampled.get(i), prompt_logprobs.get(i, [])) for i in range(len(chunks))]
+
+    def _forward(self, chunks: list[ScheduledChunk], sampling: list[int], scored: list[range]) -> torch.Tensor:
+        """The logits [S + P, V] of each sampling chunk's last token, then of the scored prompt positions.
+        On CUDA they are still being computed: nothing here waits for the device."""
         ids = [t for c in chunks for t in c.token_ids]
         layout = StepLayout.of([(c.seq.block_table, c.start, c.num_tokens) for c in chunks], self.cache.block_size)
         if self.on_forward is not None:
             self.on_forward(layout.positions)
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        scored = [c.seq.unscored_prompt_positions(c.start, c.start + c.num_tokens) for c in chunks]
         offsets = list(accumulate((c.num_tokens for c in chunks), initial=0))  # [C + 1] each chunk's first row
         score_rows = [offsets[i] + p - c.start for i, c in enumerate(chunks) for p in scored[i]]
         if (self.graphs is not None and len(sampling) == len(ids) and not score_rows
                 and self.graphs.accepts(len(ids))):
-            logits = self.graphs.forward(ids, layout, self.max_model_len)  # [R, V]: decodes only
-        else:
-            rows = [offsets[i + 1] - 1 for i in sampling] + score_rows
-            logits = self._forward_eagerly(chunks, ids, layout, rows)  # [R + P, V]
-        prompt_logprobs = self._score_prompts(chunks, scored, logits[len(sampling):]) if score_rows else {}
-        sampled: list[Sampled | None] = [None] * len(chunks)
-        if sampling:
-            batch = SamplingBatch.build([SamplingRow(chunks[i].seq.params, chunks[i].seq.seed,
-                                                     chunks[i].seq.output_ids, chunks[i].seq.prompt_ids)
-                                         for i in sampling], self.device)
-            # the grammar masks fill on the host while the device still runs the forward
-            allowed = self.masks.token_mask([chunks[i].seq.grammar for i in sampling], self.device)
-            tokens, logprobs = sample(logits[:len(sampling)].float(), batch, allowed).to_host()
-            for i, token, logprob in zip(sampling, tokens, logprobs):
-                sampled[i] = Sampled(token, logprob)
-        return [ChunkResult(s, prompt_logprobs.get(i, [])) for i, s in enumerate(sampled)]
+            return self.graphs.forward(ids, layout, self.max_model_len)  # [S, V]: decodes only
+        return self._forward_eagerly(chunks, ids, layout, [offsets[i + 1] - 1 for i in sampling] + score_rows)
+
+    def _sample(self, chunks: list[ScheduledChunk], sampling: list[int], logits: torch.Tensor,
+                masks: PendingMasks | None) -> dict[int, Sampled]:
+        """Chunk index -> the token sampled after it, from the sampling chunks' logits [S, V]."""
+        batch = SamplingBatch.build([SamplingRow(chunks[i].seq.params, chunks[i].seq.seed, chunks[i].seq.output_ids,
+                                                 chunks[i].seq.prompt_ids) for i in sampling], self.device)
+        allowed = None if masks is None else masks.result()  # the step's first wait for the fill
+        tokens, logprobs = sample(logits.float(), batch, allowed).to_host()
+        return {i: Sampled(token, logprob) for i, token, logprob in zip(sampling, tokens, logprobs)}
 
     @staticmethod
     def _score_prompts(chunks: list[ScheduledChunk], scored: list[range],

@@ -1,13 +1,14 @@
 """Start-up checks that fail in one line, before anything heavy loads: the model folder (there, a
 Hugging Face checkpoint of a supported architecture with its weights and, where text is needed, its
-tokenizer), the draft's, the device and the context length. Each failure is a ConfigError whose
-message the CLIs print as it is."""
+tokenizer) or GGUF file, the draft's, the device and the context length. Each failure is a
+ConfigError whose message the CLIs print as it is."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
 from moe_serve.engine.config import ConfigError, EngineConfig, resolve_max_model_len
+from moe_serve.engine.gguf import is_gguf
 from moe_serve.engine.loader import LoadError, checkpoint_files, read_config
 from moe_serve.engine.models.config import ModelConfig
 
@@ -28,6 +29,26 @@ def check_engine_config(config: EngineConfig) -> None:
 
 def check_model_dir(path: str, flag: str) -> ModelConfig:
     folder = Path(path)
+    if is_gguf(path):
+        if not folder.is_file():
+            raise ConfigError(f"{flag} {path}: no such GGUF file")
+    else:
+        _check_folder(path, flag)
+    try:
+        model = read_config(folder)
+        if not is_gguf(path):
+            checkpoint_files(folder)
+    except LoadError as exc:
+        raise ConfigError(f"{flag} {path}: {exc}") from exc
+    except KeyError as exc:
+        raise ConfigError(f"{flag} {path}: config.json has no {exc}") from exc
+    except ValueError as exc:  # unsupported architecture or option, config.json not JSON, or not a GGUF file
+        raise ConfigError(f"{flag} {path}: {exc}") from exc
+    return model
+
+
+def _check_folder(path: str, flag: str) -> None:
+    folder = Path(path)
     if not folder.exists():
         hint = ""
         if _HUB_ID.match(path):
@@ -36,23 +57,17 @@ def check_model_dir(path: str, flag: str) -> ModelConfig:
                     "huggingface_hub), then pass DIR")
         raise ConfigError(f"{flag} {path}: no such folder{hint}")
     if not folder.is_dir():
-        raise ConfigError(f"{flag} {path} is a file; expected a Hugging Face checkpoint folder")
+        raise ConfigError(f"{flag} {path} is a file; expected a Hugging Face checkpoint folder or a .gguf file")
     if not any(folder.iterdir()):
         raise ConfigError(f"{flag} {path} is empty; expected a Hugging Face checkpoint folder "
                           "(config.json, *.safetensors, tokenizer files)")
-    try:
-        model = read_config(folder)
-        checkpoint_files(folder)
-    except LoadError as exc:
-        raise ConfigError(f"{flag} {path}: {exc}") from exc
-    except KeyError as exc:
-        raise ConfigError(f"{flag} {path}: config.json has no {exc}") from exc
-    except ValueError as exc:  # unsupported architecture or option, or config.json not JSON
-        raise ConfigError(f"{flag} {path}: {exc}") from exc
-    return model
 
 
 def check_tokenizer_dir(path: str, flag: str) -> None:
+    if is_gguf(path):  # transformers builds the tokenizer from the file's metadata
+        if not Path(path).is_file():
+            raise ConfigError(f"{flag} {path}: no such GGUF file")
+        return
     if not Path(path).is_dir():
         raise ConfigError(f"{flag} {path}: no such folder")
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):

@@ -76,7 +76,7 @@ class Runtime:
             "expert_misses": total.misses,
             "hit_rate": total.hit_rate,
             "pcie_bytes": total.demand_bytes + total.prefetch_bytes,
-            "expert_format": self.config.expert_quant,
+            "expert_format": self.runner.layout.format.name if self.runner is not None else None,
             "expert_bytes": self.runner.layout.nbytes if self.runner is not None else 0,  # one expert's row: one copy
             "pcie_wait_seconds": total.pcie_wait_seconds,
             "prefetch_used": total.prefetch_used,

@@ -9,7 +9,7 @@ and top-p and draws; logprobs are read off the penalised logits before temperatu
 sampled rows, with and without logprobs, penalties or extras, mix freely in one batch, `sample`
 has no Python loop over rows, and a batch whose rows use none of the extras runs none of their
 tensor work. Rows under a grammar (moe_serve/engine/structured.py) choose among the tokens its mask
-allows, in one pass over those rows (TokenMask); their logprobs stay the model's.
+allows, in one pass over the batch (TokenMask); their logprobs stay the model's.
 
 Why the draw is counter-based. Under continuous batching a request meets different neighbours
 at every step, and may run alone, batched, on the CPU or on CUDA; its seed must still give the
@@ -166,25 +166,26 @@ class SampledTokens:
 
 @dataclass(frozen=True)
 class TokenMask:
-    """The tokens a grammar allows, for the constrained rows of a step (filled by moe_serve/engine/structured.py)."""
+    """The tokens each row may take this step (filled by moe_serve/engine/structured.py); a row without
+    a grammar is all ones. One mask for the whole batch: a pass over every row costs less than
+    gathering the constrained rows out and scattering them back."""
 
-    rows: torch.Tensor  # [C] int64: the constrained rows, ascending
-    bits: torch.Tensor  # [C, W] int32, 32 W >= V: bit j of word w allows token 32 w + j
+    bits: torch.Tensor  # [B, W] int32, 32 W >= V: bit j of word w allows token 32 w + j
 
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] with -inf at every forbidden token of the constrained rows, in one pass
-        over those rows; a new tensor, so the logprobs still read the model's own logits."""
-        shifts = torch.arange(32, dtype=torch.int32, device=self.bits.device)  # [32]
-        allowed = ((self.bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]  # [C, V]
-        rows = logits.index_select(0, self.rows).masked_fill_(~allowed, float("-inf"))  # [C, V]
-        return logits.index_copy(0, self.rows, rows)
+        """logits [B, V] with -inf at every forbidden token; a new tensor, so the logprobs still read
+        the model's own logits."""
+        # shifted so token j's bit lands on the sign bit: one comparison reads it (int32 shifts wrap)
+        to_sign = torch.arange(31, -1, -1, dtype=torch.int32, device=self.bits.device)  # [32]
+        forbidden = (self.bits[:, :, None] << to_sign) >= 0  # [B, W, 32]
+        return logits.masked_fill(forbidden.flatten(1)[:, :logits.shape[-1]], float("-inf"))  # [B, V]
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: TokenMask | None = None) -> SampledTokens:
     """The next token of every row. logits [B, V], any float dtype, on the batch's device.
 
-    allowed: the grammar masks of the constrained rows (moe_serve/engine/structured.py). Their tokens are
-    chosen among the allowed ones; their logprobs are the model's, as every other row's are."""
+    allowed: the grammar masks (moe_serve/engine/structured.py); None when no row is constrained. A
+    row's token is chosen among the ones its mask allows; its logprobs are the model's."""
     top = batch.max_logprobs
     if not batch.adjusts_logits and batch.num_sampled == 0 and top is None:
         candidates = logits if allowed is None else allowed.restrict(logits)

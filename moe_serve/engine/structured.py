@@ -1,5 +1,5 @@
 """Constrained decoding: a StructuredOutput compiled by llguidance, one matcher per sequence, one
-bitmask per step for the constrained rows.
+bitmask per step for the batch, filled on the host while the forward runs.
 
 llguidance (vLLM's `guidance` backend) compiles JSON schemas, regexes, choices and Lark grammars
 against the tokenizer lazily, computes a row's mask in tens of microseconds and has no heavy
@@ -14,7 +14,10 @@ EOS: the sequence then finishes at once ("stop"), without spending a step on the
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 
 import llguidance
@@ -91,7 +94,10 @@ class Grammars:
         def load():
             from transformers import AutoTokenizer  # only an engine that meets a grammar needs it
 
-            return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+            from moe_serve.engine.gguf import tokenizer_source
+
+            folder, gguf = tokenizer_source(model_dir)  # a GGUF file's tokenizer is in its metadata
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
 
         return cls(load, vocab_size)
 
@@ -116,27 +122,56 @@ class Grammars:
         return GrammarMatcher(matcher, tokenizer.vocab_size)
 
 
+@dataclass(frozen=True)
+class PendingMasks:
+    """A step's masks while llguidance fills them into host memory; result() waits for them."""
+
+    fill: Future[None]
+    bits: torch.Tensor  # [B, W] int32 on the host, pinned on CUDA
+    grammars: list[GrammarMatcher]  # the constrained rows' matchers
+    device: torch.device
+
+    def result(self) -> TokenMask:
+        """The masks on the device: the upload is queued, not waited for."""
+        self.fill.result()
+        for grammar in self.grammars:
+            grammar.check()  # a matcher that broke while filling fails before the batch samples
+        return TokenMask(self.bits.to(self.device, non_blocking=True))
+
+
 class MaskFiller:
-    """Fills the constrained rows' masks of a step, all matchers in parallel (llguidance's threads,
-    off the GIL), into one host buffer that travels to the device in one copy."""
+    """Fills a step's masks beside its forward: llguidance computes every constrained row at once on
+    its own threads, off the GIL, called from one worker thread so that the engine thread goes on
+    launching (on CUDA: then the device runs) the forward meanwhile. The masks of step N depend only
+    on the tokens before it, so the fill starts before the forward does. (The hand-off costs the
+    engine thread tens of microseconds; the fill it hides grows with the batch and the vocabulary.)"""
 
     @cached_property
     def executor(self) -> llguidance.LLExecutor:  # a thread pool: started by the first constrained step
         return llguidance.LLExecutor()
 
-    def token_mask(self, grammars: Sequence[GrammarMatcher | None], device: torch.device) -> TokenMask | None:
-        """The mask of a step's sampling rows; None (and no work) when no row is constrained."""
+    @cached_property
+    def worker(self) -> Executor:  # waits on the executor's threads, so the engine thread need not
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+
+    @contextmanager
+    def filling(self, grammars: Sequence[GrammarMatcher | None], device: torch.device) -> Iterator[PendingMasks | None]:
+        """Fill the masks of a step's sampling rows during the block; None (and no work) when no row is
+        constrained. The block leaves the matchers alone until result(); leaving it waits for the
+        fill, so a failed step's retry never meets a matcher still filling."""
         rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
         if not rows:
-            return None
+            yield None
+            return
         for _, grammar in rows:
-            grammar.check()  # a broken matcher fails here, before the batch samples: only its row retries
-        pinned = device.type == "cuda"  # torch's caching host allocator: no cudaHostAlloc per step
+            grammar.check()  # a broken matcher fails here, before the forward: only its row retries
         width = (rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
-        bits = torch.empty((len(rows), width), dtype=torch.int32, pin_memory=pinned)  # [C, W]
-        self.executor.unsafe_compute_mask_ptr([(g.matcher, k) for k, (_, g) in enumerate(rows)], bits.data_ptr(),
-                                              bits.shape[1] * 4, len(rows))
-        for _, grammar in rows:
-            grammar.check()
-        index = torch.tensor([i for i, _ in rows], dtype=torch.int64, pin_memory=pinned)  # [C]
-        return TokenMask(index.to(device, non_blocking=True), bits.to(device, non_blocking=True))
+        # every bit set: a row without a grammar allows every token. Pinned (torch's caching host
+        # allocator, no cudaHostAlloc per step) so that the upload need not wait for the host
+        bits = torch.full((len(grammars), width), -1, dtype=torch.int32, pin_memory=device.type == "cuda")  # [B, W]
+        fill = self.worker.submit(self.executor.unsafe_compute_mask_ptr, [(g.matcher, i) for i, g in rows],
+                                  bits.data_ptr(), width * 4, len(grammars))
+        try:
+            yield PendingMasks(fill, bits, [g for _, g in rows], device)
+        finally:
+            wait([fill])

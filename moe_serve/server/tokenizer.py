@@ -9,6 +9,7 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
+from moe_serve.engine.gguf import tokenizer_source
 from moe_serve.server.errors import bad_request
 
 # Used when the checkpoint's tokenizer_config.json has no chat_template: one turn per message,
@@ -22,9 +23,11 @@ FALLBACK_CHAT_TEMPLATE = (
 class Tokenizer:
     def __init__(self, model_dir: str, trust_remote_code: bool = False, *, tokenizer_dir: str | None = None,
                  chat_template: str | None = None) -> None:
-        """tokenizer_dir: where the tokenizer files are when not in model_dir (--tokenizer);
-        chat_template: template text replacing the checkpoint's (--chat-template)."""
-        self.hf = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir, trust_remote_code=trust_remote_code)
+        """tokenizer_dir: where the tokenizer files are when not in model_dir (--tokenizer); either may
+        be a GGUF file, whose metadata holds its tokenizer; chat_template: template text replacing the
+        checkpoint's (--chat-template)."""
+        folder, gguf = tokenizer_source(tokenizer_dir or model_dir)
+        self.hf = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
         if chat_template is not None:
             self.hf.chat_template = chat_template
         self.eos_token_ids = _eos_token_ids(self.hf, Path(model_dir))

@@ -312,13 +312,15 @@ def test_draft_verify_honours_the_extras_it_applies() -> None:
     assert draft_verify_honours(SamplingParams(8, min_tokens=4), 4)
 
 
-def token_mask(allowed: dict[int, list[int]], vocab: int = VOCAB) -> TokenMask:
-    """A grammar mask: row -> its allowed token ids (moe_serve/engine/structured.py fills real ones)."""
-    bits = torch.zeros(len(allowed), (vocab + 31) // 32, dtype=torch.int64)
-    for k, ids in enumerate(allowed.values()):
+def token_mask(allowed: dict[int, list[int]], rows: int = 4, vocab: int = VOCAB) -> TokenMask:
+    """A grammar mask: row -> its allowed token ids, every other row all ones (moe_serve/engine/structured.py
+    fills real ones)."""
+    bits = torch.full((rows, (vocab + 31) // 32), 2**32 - 1, dtype=torch.int64)
+    for row, ids in allowed.items():
+        bits[row] = 0
         for t in ids:
-            bits[k, t // 32] |= 1 << (t % 32)
-    return TokenMask(torch.tensor(list(allowed)), ((bits + 2**31) % 2**32 - 2**31).int())  # as int32 bits
+            bits[row, t // 32] |= 1 << (t % 32)
+    return TokenMask(((bits + 2**31) % 2**32 - 2**31).int())  # as int32 bits
 
 
 def test_grammar_mask_restricts_only_its_rows_and_leaves_logprobs_to_the_model() -> None:
@@ -340,6 +342,16 @@ def test_grammar_mask_restricts_only_its_rows_and_leaves_logprobs_to_the_model()
     greedy = [replace(row, params=SamplingParams(max_tokens=8, temperature=0)) for row in rows]
     fast = sample(logits.bfloat16(), SamplingBatch.build(greedy, CPU), token_mask({0: [7], 3: [9, 10]}))
     assert fast.tokens[0] == 7 and fast.tokens[3] in (9, 10)  # the greedy-only path applies it too
+
+
+def test_token_mask_forbids_exactly_the_unset_bits_and_leaves_free_rows_alone() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))  # [B, V]
+    allowed = {0: [0, 31, 32, 47], 2: []}  # bit 31 is the int32 sign bit; the last word is cut at V
+    restricted = token_mask(allowed, rows=3).restrict(logits)
+    for row, ids in allowed.items():
+        assert restricted[row].isfinite().nonzero().flatten().tolist() == ids
+        assert torch.equal(restricted[row, ids], logits[row, ids])
+    assert torch.equal(restricted[1], logits[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

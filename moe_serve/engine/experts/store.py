@@ -58,9 +58,11 @@ class ExpertStore:
             if src is not None:
                 self.layout.write(row, part, src)
 
-    def put_fused(self, layer: int, *, gate_up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
-        """Write all experts of a layer from transformers 5's fused 3-D tensors: gate_up [E, 2I, H], down [E, H, I]."""
-        for part, src in (("gate_up", gate_up), ("down", down)):
+    def put_fused(self, layer: int, *, gate_up: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                  up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
+        """Write all experts of a layer from 3-D tensors: transformers 5's fused gate_up [E, 2I, H] and
+        down [E, H, I], or GGUF's gate and up [E, I, H] apart."""
+        for part, src in (("gate_up", gate_up), ("gate", gate), ("up", up), ("down", down)):
             if src is None:
                 continue
             if src.shape[0] != self.num_experts:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from moe_serve.engine.quantized_checkpoints.base import CheckpointQuant
 
-_REGISTRY = {"fp8": "fp8:Fp8BlockCheckpoint"}  # quant_method -> module:class
+_REGISTRY = {"fp8": "fp8:Fp8BlockCheckpoint", "mxfp4": "mxfp4:Mxfp4Checkpoint",
+             "gptq": "gptq:GptqCheckpoint", "awq": "awq:AwqCheckpoint"}  # quant_method -> module:class
 QUANT_METHODS = tuple(_REGISTRY)
 
 

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from moe_serve.engine.experts.formats import expert_format
+from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
 
 
@@ -17,6 +17,14 @@ def random_slots(layout: ExpertLayout, num_slots: int, gen: torch.Generator) -> 
     layout.write(slots, "gate_up", torch.randn(num_slots, 2 * i, h, generator=gen) / h**0.5)
     layout.write(slots, "down", torch.randn(num_slots, h, i, generator=gen) / i**0.5)
     return slots
+
+
+def interpreted_formats() -> list[str]:
+    """The quantized formats whose whole kernels the Triton interpreter runs on CPU: blocks of at
+    most 32 weights. Larger blocks grow the cases to 256 x 256, minutes each in the interpreter; their
+    loads are checked tile by tile in formats/test_triton_loads.py, their kernels on the GPU."""
+    formats = [(name, expert_format(name, torch.float32)) for name in FORMAT_NAMES if name != "none"]
+    return [name for name, fmt in formats if max(fmt.row_multiple, fmt.col_multiple) <= 32]
 
 
 def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ...]]:

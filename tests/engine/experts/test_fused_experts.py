@@ -2,8 +2,10 @@
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 must be set before the kernel
 module is imported, so those cases run in a subprocess); on a GPU they are compiled, compared in
-bf16, and captured in a CUDA graph. Every expert format is checked: quantized slots decoded in the
-kernel equal the torch path's reference dequantization. Skipped where triton is not installed.
+bf16, and captured in a CUDA graph. Quantized slots decoded in the kernel equal the torch path's
+reference dequantization: on a GPU for every format, in the interpreter for the formats of small
+blocks (slot_rows.interpreted_formats; the others' loads tile by tile in
+formats/test_triton_loads.py). Skipped where triton is not installed.
 """
 from __future__ import annotations
 
@@ -24,7 +26,12 @@ from moe_serve.engine.experts.fused_experts import (
     fused_experts_available,
 )
 from moe_serve.engine.experts.layout import ExpertLayout
-from tests.engine.experts.slot_rows import decoded_reference, fitted_cases, random_slots
+from tests.engine.experts.slot_rows import (
+    decoded_reference,
+    fitted_cases,
+    interpreted_formats,
+    random_slots,
+)
 from tests.triton_interpreter import needs_triton, run_interpreted
 
 # Blocks far smaller than the shapes: every kernel loops, and every edge is masked.
@@ -34,7 +41,6 @@ CASES = [(37, 19, 1, 1), (37, 19, 3, 2), (16, 24, 3, 4), (40, 33, 1, 4), (24, 8,
 # quantized formats, fewer cases (the interpreter is slow): odd K for int4's half-filled last byte
 # and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups
 QUANT_CASES = [(37, 19, 3, 2), (40, 33, 1, 4), (256, 64, 2, 2)]
-QUANTIZED = [name for name in FORMAT_NAMES if name != "none"]
 CUDA_CASES = [(256, 128, 1, 8), (256, 128, 3, 8), (200, 72, 4, 2), (2048, 1024, 1, 8)]
 
 
@@ -72,7 +78,7 @@ def test_interpreter_matches_torch_path():
 
 
 @needs_triton
-@pytest.mark.parametrize("quant", QUANTIZED)
+@pytest.mark.parametrize("quant", interpreted_formats())
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
     run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
 

@@ -3,8 +3,10 @@
 The block layout (torch only) is checked on CPU for its invariants. The kernels run in Triton's
 interpreter on CPU (TRITON_INTERPRET=1 must be set before the kernel module is imported, so
 those cases run in a subprocess); on a GPU they are compiled, compared in bf16, and captured in
-a CUDA graph. Every expert format is checked: quantized slots decoded in the kernel equal the
-torch path's reference dequantization. Skipped where triton is not installed.
+a CUDA graph. Quantized slots decoded in the kernel equal the torch path's reference
+dequantization: on a GPU for every format, in the interpreter for the formats of small blocks
+(slot_rows.interpreted_formats; the others' loads tile by tile in formats/test_triton_loads.py).
+Skipped where triton is not installed.
 """
 from __future__ import annotations
 
@@ -22,7 +24,12 @@ from moe_serve.engine.experts.compute import (
 )
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
-from tests.engine.experts.slot_rows import decoded_reference, fitted_cases, random_slots
+from tests.engine.experts.slot_rows import (
+    decoded_reference,
+    fitted_cases,
+    interpreted_formats,
+    random_slots,
+)
 from tests.triton_interpreter import needs_triton, run_interpreted
 
 NUM_SLOTS = 9  # more slots than the routings below use
@@ -34,7 +41,6 @@ CASES += [(21, 13, 5, 0)]
 # quantized formats, fewer cases (the interpreter is slow): odd K for int4's half-filled last byte
 # and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups
 QUANT_CASES = [(37, 19, 5, 2), (40, 33, 17, 4), (256, 64, 9, 2)]
-QUANTIZED = [name for name in FORMAT_NAMES if name != "none"]
 # (T, k, S, block_m) for the block layout alone
 LAYOUT_CASES = [(1, 1, 1, 16), (17, 4, 9, 16), (64, 2, 8, 16), (32, 8, 64, 16), (9, 3, 40, 4), (50, 1, 3, 7),
                 (64, 8, 2, 16)]
@@ -115,7 +121,7 @@ def test_interpreter_matches_torch_path():
 
 
 @needs_triton
-@pytest.mark.parametrize("quant", QUANTIZED)
+@pytest.mark.parametrize("quant", interpreted_formats())
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
     run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
 
@@ -155,7 +161,9 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
     grouped = grouped_experts(x, weights, slots, ids, layout)
     assert grouped.dtype == torch.bfloat16 and grouped.shape == (t, h)
-    torch.testing.assert_close(grouped.float(), exact, rtol=1.6e-2, atol=1e-2)  # act and the output round
+    # the output rounds, and so does act: tl.dot takes it in bf16 (the fused GEMV keeps it fp32), an error
+    # of 2^-9 of each act summed over I that reaches ~1e-2 at 8 experts a token
+    torch.testing.assert_close(grouped.float(), exact, rtol=1.6e-2, atol=2e-2)
     torch.testing.assert_close(grouped, gathered_experts_torch(x, weights, slots, ids, layout), rtol=5e-2, atol=5e-2)
     assert torch.equal(grouped_experts(x, weights, slots, ids, layout), grouped)  # deterministic
     if t * k >= GROUPED_MIN_PAIRS:

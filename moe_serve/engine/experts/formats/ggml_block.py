@@ -1,0 +1,93 @@
+"""What the GGML block formats (llama.cpp's quantization types, as GGUF files store them) share:
+a row of K weights is K / BLOCK self-contained blocks of BYTES bytes each, every scale inside its
+block, so an encoded matrix is uint8 [N, K / BLOCK * BYTES] with no scales section, and the rows
+of a GGUF tensor are our rows byte for byte (the GGUF loader copies them as they are).
+
+A format here names its GGML type (`ggml_type`, as the gguf package spells it), codes one block at
+a time in torch, and has K of whole blocks (col_multiple); the kernels' loads live in each
+format's file, over `block_tile`'s addressing. The bytes are little-endian, as GGUF files and
+every GPU we run on are.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import ClassVar
+
+import torch
+
+from moe_serve.engine.experts.formats.base import ExpertFormat
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
+
+class GgmlBlockFormat(ExpertFormat):
+    ggml_type: ClassVar[str]  # gguf.GGMLQuantizationType's name: "Q4_K"
+    block: ClassVar[int]  # weights per block
+    block_bytes: ClassVar[int]
+    data_dtype: torch.dtype = torch.uint8
+
+    def data_cols(self, k: int) -> int:
+        return k // self.block * self.block_bytes
+
+    def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, None]:
+        self.check_shape(w.shape[-2], w.shape[-1])
+        blocks = self.encode_blocks(w.float().unflatten(-1, (-1, self.block)))  # [..., N, K / BLOCK, BYTES]
+        return blocks.flatten(-2), None
+
+    def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.decode_blocks(data.unflatten(-1, (k // self.block, self.block_bytes))).flatten(-2).to(dtype)
+
+    @abstractmethod
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        """w [..., BLOCK] fp32 -> [..., BYTES] uint8."""
+
+    @abstractmethod
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[..., BYTES] uint8 -> [..., BLOCK] fp32, the reference dequantization (llama.cpp's, bit for bit)."""
+
+    def describe(self) -> str:
+        return f"{self.name} (GGUF {self.ggml_type}, {self.block_bytes * 8 / self.block:g} bits per weight)"
+
+
+def fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 stored at bytes offset, offset + 1 of each block [..., BYTES], as fp32 [...]."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [...] -> its fp16 as two bytes [..., 2], to store in a block."""
+    return x.to(torch.float16).unsqueeze(-1).view(torch.uint8)
+
+
+def nibbles(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """Two tensors of 4-bit codes (any int dtype) -> one byte each, `low` in the low nibble."""
+    return (low.to(torch.uint8) & 0xF) | ((high.to(torch.uint8) & 0xF) << 4)
+
+
+if triton is not None:
+    FP16 = tl.constexpr(tl.pointer_type(tl.float16))  # blocks' fp16 fields: 2-byte aligned in every format
+
+    @triton.jit
+    def block_tile(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+                   BYTES: tl.constexpr, G: tl.constexpr):
+        """Where a kernel tile of rows [R] x columns k0 + arange(BLOCK_K) lies in the blocks at w_ptr
+        (rows of K / BLOCK blocks of BYTES): for each weight, the byte pointer of its block
+        [R, BLOCK_K], its place in the block [BLOCK_K] and the load mask; then the same for the
+        tile's groups of G columns that share one scale ([R, BLOCK_K / G], [BLOCK_K / G] and mask).
+        G divides BLOCK_K and the block size, and k0 is a multiple of BLOCK_K: a group never
+        straddles two scales, whether a tile holds many blocks or lies inside one."""
+        row_start = w_ptr + rows[:, None] * (K // BLOCK * BYTES)  # [R, 1]
+        cols = k0 + tl.arange(0, BLOCK_K)
+        first = k0 + tl.arange(0, BLOCK_K // G) * G  # each group's first column
+        if K % BLOCK_K == 0:  # no tile runs past the row: only rows are masked
+            mask = row_ok[:, None]
+            group_mask = mask
+        else:
+            mask = row_ok[:, None] & (cols < K)[None, :]
+            group_mask = row_ok[:, None] & (first < K)[None, :]
+        return (row_start + cols // BLOCK * BYTES, cols % BLOCK, mask,
+                row_start + first // BLOCK * BYTES, first % BLOCK, group_mask)

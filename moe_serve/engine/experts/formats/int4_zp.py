@@ -1,0 +1,188 @@
+"""Asymmetric group-wise int4 experts with zero points: the weights of GPTQ and AWQ checkpoints as
+published (quantized_checkpoints/gptq.py, awq.py), and --expert-quant int4-zp-g32/-g64/-g128.
+
+Each run of `group_size` weights along K shares one fp16 scale s and one 4-bit zero point z, and a
+weight is w = (q - z) * s with its code q in 0..15. K must be whole groups (every published
+checkpoint's is). A row of the data holds the row's K codes, two per byte (weight 2j in the low
+nibble of byte j, as int4.py packs them), then its K / group_size zeros packed the same way and
+padded to 16 bytes, so that every row, and the codes in it, start 16-byte aligned for vector loads
+of the codes; the scales section holds the K / group_size scales of each row. Checkpoints' codes,
+zeros and scales are re-laid losslessly, in the bytes they are published in (0.5 + 2.5 / group_size
+per weight) plus that padding (under 16 bytes a row).
+
+One registered format per group size: the Triton load's signature is fixed, and the group size
+must be a compile-time constant of it (it decides whether a tile lies in one group or holds
+several, and shapes the tile's reshape into groups), so each size has its own jit entry point over
+one shared body. A name per size also lets a checkpoint's config name its experts' format (and
+the memory plan size their rows) before any tensor is read.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from moe_serve.engine.experts.formats.base import ExpertFormat
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
+QMAX = 15  # codes and zero points are 0..15
+_ALIGN = 16  # bytes: the zeros after a row's codes are padded to it, also written in _load
+
+
+def zero_bytes(groups: int) -> int:
+    """Bytes after a row's codes holding its `groups` zero points: two per byte, 16-byte padded."""
+    packed = (groups + 1) // 2
+    return -(-packed // _ALIGN) * _ALIGN
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values in 0..15 [..., L] -> [..., ceil(L / 2)] bytes, value 2j in the low nibble of byte j."""
+    values = F.pad(values, (0, values.shape[-1] % 2))
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: [..., B] bytes -> [..., 2B] values in 0..15 (uint8)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The reference dequantization w = (q - z) * s: codes [..., N, K], zeros and scales [..., N, G]
+    (one per group of K / G weights) -> [..., N, K] in dtype. Exact in fp32: q - z is a small
+    integer and s an fp16."""
+    per_group = codes.float().unflatten(-1, (scales.shape[-1], -1))  # [..., N, G, K / G]
+    return ((per_group - zeros.float()[..., None]) * scales.float()[..., None]).flatten(-2).to(dtype)
+
+
+def _fp16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """x (fp32, >= 0) as fp16 rounded up, so a group's range / scale stays <= 15 levels; 1 for 0."""
+    rounded = x.to(torch.float16)
+    rounded = torch.where(rounded.float() < x, torch.nextafter(rounded, torch.full_like(rounded, torch.inf)), rounded)
+    return torch.where(rounded > 0, rounded, 1.0)
+
+
+@dataclass(frozen=True)
+class Int4ZeroPoint(ExpertFormat):
+    """The format; its subclasses below fix the group size (one --expert-quant name each)."""
+
+    group_size: ClassVar[int]
+    data_dtype: torch.dtype = torch.uint8
+    scale_dtype: torch.dtype = torch.float16
+
+    def data_cols(self, k: int) -> int:
+        return k // 2 + zero_bytes(k // self.group_size)
+
+    def scale_cols(self, k: int) -> int:
+        return k // self.group_size
+
+    def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round to nearest over each group's range widened to hold 0 (as GPTQ's quantizer does):
+        the zero point is then a whole level, 0 decodes exactly, and the error is at most half a step."""
+        self.check_shape(*w.shape[-2:])
+        groups = w.float().unflatten(-1, (-1, self.group_size))  # [..., N, G, g]
+        low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)  # [..., N, G]
+        scales = _fp16_at_least((high - low) / QMAX)  # [..., N, G]
+        zeros = (-low / scales.float()).round_().clamp_(0, QMAX)  # [..., N, G]
+        codes = (groups / scales.float()[..., None]).round_().add_(zeros[..., None]).clamp_(0, QMAX).flatten(-2)
+        return self.pack(codes.to(torch.uint8), zeros.to(torch.uint8), scales)
+
+    def pack(self, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Already quantized weights -> (data, scales) of this format: codes [..., N, K] and zeros
+        [..., N, K / group_size] in 0..15 (uint8), scales [..., N, K / group_size] fp16; kept as given."""
+        zero_row = pack_nibbles(zeros)  # [..., N, ceil(G / 2)]
+        padding = zero_bytes(zeros.shape[-1]) - zero_row.shape[-1]
+        return torch.cat((pack_nibbles(codes), F.pad(zero_row, (0, padding))), dim=-1), scales
+
+    def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
+        codes = unpack_nibbles(data[..., : k // 2])  # [..., N, K]
+        zeros = unpack_nibbles(data[..., k // 2 :])[..., : k // self.group_size]  # [..., N, G]
+        return dequantize(codes, zeros, scales, dtype)
+
+    @property
+    def triton_load(self) -> Any:
+        return _LOADS[self.group_size]
+
+    def describe(self) -> str:
+        return f"{self.name} (group {self.group_size} asymmetric, 4-bit zero points, fp16 scales)"
+
+
+class Int4ZeroPointG32(Int4ZeroPoint):
+    name: ClassVar[str] = "int4-zp-g32"
+    group_size: ClassVar[int] = 32
+    col_multiple: ClassVar[int] = 32
+
+
+class Int4ZeroPointG64(Int4ZeroPoint):
+    name: ClassVar[str] = "int4-zp-g64"
+    group_size: ClassVar[int] = 64
+    col_multiple: ClassVar[int] = 64
+
+
+class Int4ZeroPointG128(Int4ZeroPoint):
+    name: ClassVar[str] = "int4-zp-g128"
+    group_size: ClassVar[int] = 128
+    col_multiple: ClassVar[int] = 128
+
+
+FORMATS_BY_GROUP_SIZE = {fmt.group_size: fmt for fmt in (Int4ZeroPointG32, Int4ZeroPointG64, Int4ZeroPointG128)}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+              EVICT: tl.constexpr, G: tl.constexpr):
+        # BLOCK_K even and k0 a multiple of it: the tile's bytes are whole. BLOCK_K and G are powers
+        # of two, so a tile lies in one group or holds whole groups: scales and zeros load per group.
+        CODE_BYTES: tl.constexpr = K // 2
+        NG: tl.constexpr = K // G  # groups per row
+        ROW_BYTES: tl.constexpr = CODE_BYTES + ((NG + 1) // 2 + 15) // 16 * 16  # data_cols: codes, zeros
+        R: tl.constexpr = rows.shape[0]
+        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + rows[:, None] * ROW_BYTES + byte[None, :],
+                         mask=row_ok[:, None] & (byte < CODE_BYTES)[None, :], other=0,
+                         eviction_policy=EVICT)  # [R, BLOCK_K / 2]
+        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, BLOCK_K)).to(tl.float32)  # [R, BLOCK_K]
+        zero_ptr = w_ptr + rows * ROW_BYTES + CODE_BYTES  # [R] each row's zero bytes
+        if G % BLOCK_K == 0:  # the tile lies in one group: one scale and zero per row
+            group = k0 // G
+            s = tl.load(s_ptr + rows * NG + group, mask=row_ok, other=0.0)  # [R]
+            z = (tl.load(zero_ptr + group // 2, mask=row_ok, other=0) >> (4 * (group % 2))) & 0xF  # [R]
+            w = (q - z.to(tl.float32)[:, None]) * s.to(tl.float32)[:, None]
+        else:  # the tile holds whole groups (past K: masked, its codes, scales and zeros 0)
+            group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
+            mask = row_ok[:, None] & (group < NG)[None, :]
+            s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=mask, other=0.0)  # [R, BLOCK_K / G]
+            z = (tl.load(zero_ptr[:, None] + (group // 2)[None, :], mask=mask, other=0)
+                 >> (4 * (group % 2))[None, :]) & 0xF  # [R, BLOCK_K / G]
+            centred = tl.reshape(q, (R, BLOCK_K // G, G)) - z.to(tl.float32)[:, :, None]
+            w = tl.reshape(centred * s.to(tl.float32)[:, :, None], (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w
+
+    # the entry points ExpertFormat.triton_load names: _load with the group size as a literal
+    @triton.jit
+    def _load_g32(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                  EVICT: tl.constexpr):
+        return _load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, 32)
+
+    @triton.jit
+    def _load_g64(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                  EVICT: tl.constexpr):
+        return _load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, 64)
+
+    @triton.jit
+    def _load_g128(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, 128)
+
+    _LOADS = {32: _load_g32, 64: _load_g64, 128: _load_g128}

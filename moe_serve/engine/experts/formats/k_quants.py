@@ -1,0 +1,224 @@
+"""The k-quants (GGUF Q4_K, Q5_K, Q6_K; --expert-quant q4_k, q5_k, q6_k): super-blocks of 256 weights
+along K, each with an fp16 scale d whose multiples scale its sub-blocks. One file because the three
+share the super-block, and Q4_K and Q5_K share everything but Q5_K's fifth bit.
+
+Q4_K (144 bytes, 4.5 bits per weight) and Q5_K (176 bytes, 5.5 bits): d, dmin (fp16), then 12
+bytes of eight 6-bit (scale, min) pairs, one per sub-block of 32, then for Q5_K 32 bytes `qh` whose
+bit i of byte l is the high bit of weight 32 i + l, then 128 bytes `qs`: byte 32 c + l holds weight
+64 c + l in its low nibble and 64 c + 32 + l in its high one. w = d * scale * q - dmin * min.
+The 12 bytes: bytes 0-3 scale[0-3] | scale[4-7] >> 4 << 6, bytes 4-7 min[0-3] | min[4-7] >> 4 << 6,
+bytes 8-11 scale[4-7] & 15 | (min[4-7] & 15) << 4.
+
+Q6_K (210 bytes, 6.5625 bits): ql (128 bytes), qh (64), sixteen int8 scales (one per sub-block of
+16), d. Each half n of 128 weights uses ql[64 n:], qh[32 n:]: weight 128 n + 32 j + l has the
+nibble (j // 2: high, else low) of ql[64 n + 32 (j % 2) + l] and bits 2 j, 2 j + 1 of qh[32 n + l]
+as its high two; w = d * scale * (q - 32).
+
+Decoding is llama.cpp's, bit for bit (the tests hold it to the gguf package's). Encoding, for
+--expert-quant and the tests, is a plain round-to-nearest: each sub-block's range (Q4_K, Q5_K:
+min..max, the min clamped to <= 0; Q6_K: +-absmax) over the codes, the sub-block scales then
+rounded to 6 (8) bits against d = their max / 63 (127). It is not llama.cpp's quantizer, which
+searches each sub-block's scale and min for the least squared error (and weighs by an importance
+matrix when given one): files from llama-quantize are a little more accurate than ours.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from moe_serve.engine.experts.formats.ggml_block import GgmlBlockFormat, fp16_bytes, fp16_field, nibbles
+
+try:
+    import triton
+    import triton.language as tl
+
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
+SUPER_BLOCK = 256  # also written in the loads below, as the block sizes and offsets
+_HEADER = 16  # Q4_K / Q5_K: d, dmin, 12 bytes of scales and mins
+
+
+def _codes(x: torch.Tensor, step: torch.Tensor, qmax: int, qmin: int = 0) -> torch.Tensor:
+    """round(x / step) clamped to [qmin, qmax]; 0 where the step is 0 (an all-zero range)."""
+    return torch.where(step > 0, x / step, 0.0).round_().clamp_(qmin, qmax)
+
+
+def _pack_scales_mins(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """Eight 6-bit scales and mins [..., 8] -> the 12 bytes of Q4_K and Q5_K."""
+    sc, m = scales.to(torch.uint8), mins.to(torch.uint8)
+    return torch.cat((sc[..., :4] | (sc[..., 4:] >> 4 << 6), m[..., :4] | (m[..., 4:] >> 4 << 6),
+                      nibbles(sc[..., 4:], m[..., 4:])), dim=-1)
+
+
+def _unpack_scales_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 12 bytes [..., 12] -> scales, mins [..., 8] as fp32."""
+    b = packed.to(torch.int32)
+    low, high, extra = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    scales = torch.cat((low & 63, (extra & 15) | (low >> 6 << 4)), dim=-1)
+    mins = torch.cat((high & 63, (extra >> 4) | (high >> 6 << 4)), dim=-1)
+    return scales.float(), mins.float()
+
+
+@dataclass(frozen=True)
+class _WithMin(GgmlBlockFormat):
+    """Q4_K and Q5_K: `bits`-bit codes over each sub-block's min..max."""
+    bits: ClassVar[int]
+    block: ClassVar[int] = SUPER_BLOCK
+    col_multiple: ClassVar[int] = SUPER_BLOCK
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        qmax = 2**self.bits - 1
+        sub = w.unflatten(-1, (8, 32))  # [..., 8, 32]
+        low = sub.amin(-1).clamp(max=0.0)  # [..., 8] stored as a min >= 0 to subtract
+        ranges, mins = (sub.amax(-1) - low) / qmax, -low
+        d = (ranges.amax(-1) / 63).half().float()  # [...]
+        dmin = (mins.amax(-1) / 63).half().float()
+        scales, min_codes = _codes(ranges, d[..., None], 63), _codes(mins, dmin[..., None], 63)  # [..., 8]
+        step, offset = (d[..., None] * scales)[..., None], (dmin[..., None] * min_codes)[..., None]
+        q = _codes(sub + offset, step, qmax).to(torch.uint8)  # [..., 8, 32]
+        fields = [fp16_bytes(d), fp16_bytes(dmin), _pack_scales_mins(scales, min_codes)]
+        if self.bits == 5:
+            fields.append(sum((q[..., i, :] >> 4 & 1) << i for i in range(8)).to(torch.uint8))  # qh [..., 32]
+        fields.append(nibbles(q[..., 0::2, :], q[..., 1::2, :]).flatten(-2))  # qs [..., 128]
+        return torch.cat(fields, dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        scales, mins = _unpack_scales_mins(blocks[..., 4:_HEADER])  # [..., 8]
+        qs_at = _HEADER + (32 if self.bits == 5 else 0)
+        qs = blocks[..., qs_at : qs_at + 128].to(torch.int32).unflatten(-1, (4, 32))  # [..., 4, 32]
+        q = torch.stack((qs & 15, qs >> 4), dim=-2).flatten(-3, -2)  # [..., 8, 32] sub-blocks in order
+        if self.bits == 5:
+            qh = blocks[..., _HEADER : _HEADER + 32].to(torch.int32)  # [..., 32]
+            q = q | ((qh[..., None, :] >> torch.arange(8, device=qh.device)[:, None] & 1) << 4)
+        step = (fp16_field(blocks, 0)[..., None] * scales)[..., None]  # [..., 8, 1]
+        offset = (fp16_field(blocks, 2)[..., None] * mins)[..., None]
+        return (step * q.float() - offset).flatten(-2)
+
+
+@dataclass(frozen=True)
+class Q4_K(_WithMin):
+    name: ClassVar[str] = "q4_k"
+    ggml_type: ClassVar[str] = "Q4_K"
+    block_bytes: ClassVar[int] = 144
+    bits: ClassVar[int] = 4
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q4_k
+
+
+@dataclass(frozen=True)
+class Q5_K(_WithMin):
+    name: ClassVar[str] = "q5_k"
+    ggml_type: ClassVar[str] = "Q5_K"
+    block_bytes: ClassVar[int] = 176
+    bits: ClassVar[int] = 5
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q5_k
+
+
+@dataclass(frozen=True)
+class Q6_K(GgmlBlockFormat):
+    name: ClassVar[str] = "q6_k"
+    ggml_type: ClassVar[str] = "Q6_K"
+    block: ClassVar[int] = SUPER_BLOCK
+    block_bytes: ClassVar[int] = 210
+    col_multiple: ClassVar[int] = SUPER_BLOCK
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        sub = w.unflatten(-1, (16, 16))  # [..., 16, 16]
+        ranges = sub.abs().amax(-1) / 31  # [..., 16]: +-absmax on codes -31..31 of -32..31
+        d = (ranges.amax(-1) / 127).half().float()  # [...]
+        scales = _codes(ranges, d[..., None], 127)  # [..., 16]
+        q = (_codes(sub, (d[..., None] * scales)[..., None], 31, -32) + 32).to(torch.uint8)  # [..., 16, 16]
+        q = q.flatten(-2).unflatten(-1, (2, 4, 32))  # [..., half, j, l]
+        ql = torch.cat((nibbles(q[..., 0, :], q[..., 2, :]), nibbles(q[..., 1, :], q[..., 3, :])), dim=-1)
+        qh = sum((q[..., j, :] >> 4 & 3) << 2 * j for j in range(4)).to(torch.uint8)  # [..., half, 32]
+        return torch.cat((ql.flatten(-2), qh.flatten(-2), scales.to(torch.int8).view(torch.uint8), fp16_bytes(d)),
+                         dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        ql = blocks[..., :128].to(torch.int32).unflatten(-1, (2, 2, 32))  # [..., half, j % 2, l]
+        qh = blocks[..., 128:192].to(torch.int32).unflatten(-1, (2, 1, 32))  # [..., half, 1, l]
+        low = torch.cat((ql & 15, ql >> 4), dim=-2)  # [..., half, j, l]
+        high = qh >> 2 * torch.arange(4, device=qh.device)[:, None] & 3
+        q = ((low | high << 4) - 32).flatten(-3).unflatten(-1, (16, 16))  # [..., 16, 16]
+        step = fp16_field(blocks, 208)[..., None] * blocks[..., 192:208].view(torch.int8).float()  # [..., 16]
+        return (step[..., None] * q.float()).flatten(-2)
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q6_k
+
+
+if triton is not None:
+    # Each weight's bytes are gathered by its column; the scales once per group of G columns that
+    # share a sub-block (the whole sub-block, or the tile where a tile is smaller than one).
+
+    @triton.jit
+    def _load_with_min(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                       EVICT: tl.constexpr, HIGH_BIT: tl.constexpr):
+        BYTES: tl.constexpr = 176 if HIGH_BIT else 144
+        QS: tl.constexpr = 48 if HIGH_BIT else 16
+        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, BYTES, G)
+        lane = place & 31
+        # weight p: byte 32 (p // 64) + p % 32 of qs, its high nibble when p // 32 is odd
+        packed = tl.load(block + (QS + ((place >> 1) & 96) + lane), mask=mask, other=0, eviction_policy=EVICT)
+        q = (packed >> ((place & 32) >> 3)) & 15  # [R, BLOCK_K]
+        if HIGH_BIT:  # bit p // 32 of qh[p % 32]
+            qh = tl.load(block + (16 + lane), mask=mask, other=0, eviction_policy=EVICT)
+            q = q | (((qh >> (place >> 5)) & 1) << 4)
+        sub = first >> 5  # [BLOCK_K / G] each group's sub-block, 0..7
+        own = tl.load(group + (4 + sub), mask=group_mask, other=0)  # scale byte sub
+        fourth_on = tl.load(group + (8 + sub), mask=group_mask, other=0)  # byte sub + 4
+        first_four = tl.load(group + (4 + (sub & 3)), mask=group_mask, other=0)  # byte sub % 4
+        scale = tl.where(sub < 4, own & 63, (fourth_on & 15) | ((first_four >> 6) << 4))
+        low = tl.where(sub < 4, fourth_on & 63, (fourth_on >> 4) | ((own >> 6) << 4))
+        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
+        dmin = tl.load((group + 2).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
+        step, offset = d * scale.to(tl.float32), dmin * low.to(tl.float32)
+        w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None] - offset[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w
+
+    @triton.jit
+    def _load_q4_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, False)
+
+    @triton.jit
+    def _load_q5_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True)
+
+    @triton.jit
+    def _load_q6_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        G: tl.constexpr = 16 if BLOCK_K > 16 else BLOCK_K
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, 210, G)
+        half = (place >> 7) << 5  # 32 per half of 128 weights
+        # weight p = 128 n + 32 j + l: ql[64 n + p % 64], its high nibble for j >= 2; bits 2 j of qh[32 n + l]
+        ql = tl.load(block + (half * 2 + (place & 63)), mask=mask, other=0, eviction_policy=EVICT)
+        qh = tl.load(block + (128 + half + (place & 31)), mask=mask, other=0, eviction_policy=EVICT)
+        q = ((ql >> ((place & 64) >> 4)) & 15) | (((qh >> ((place & 96) >> 4)) & 3) << 4)  # [R, BLOCK_K] 0..63
+        scale = tl.load(group + (192 + (first >> 4)), mask=group_mask, other=0)  # [R, BLOCK_K / G]
+        d = tl.load((group + 208).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
+        step = d * scale.to(tl.int8, bitcast=True).to(tl.float32)
+        w = tl.reshape((q - 32).to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w

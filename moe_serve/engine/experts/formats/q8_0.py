@@ -1,0 +1,68 @@
+"""Q8_0 experts (GGUF Q8_0; --expert-quant q8_0): blocks of 32 weights along K, each an fp16 scale d
+then 32 int8 codes, w = d * q. 34 bytes per 32 weights, 8.5 bits per weight.
+
+Encoding is llama.cpp's reference quantizer, bit for bit (the tests hold it to the gguf package's):
+d = absmax / 127, codes round(w / d) half away from zero, so --expert-quant q8_0 stores what
+llama-quantize would. It is written in torch rather than called from the gguf package, whose numpy
+quantizer would take minutes on the CPU for a model's experts that torch encodes on the GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from moe_serve.engine.experts.formats.ggml_block import GgmlBlockFormat, fp16_bytes, fp16_field
+
+try:
+    import triton
+    import triton.language as tl
+
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
+BLOCK = 32  # also written in _load
+BLOCK_BYTES = 34
+
+
+@dataclass(frozen=True)
+class Q8_0(GgmlBlockFormat):
+    name: ClassVar[str] = "q8_0"
+    ggml_type: ClassVar[str] = "Q8_0"
+    block: ClassVar[int] = BLOCK
+    block_bytes: ClassVar[int] = BLOCK_BYTES
+    col_multiple: ClassVar[int] = BLOCK
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        d = w.abs().amax(-1, keepdim=True) / 127  # [..., 1] fp32, stored as fp16
+        scaled = (w * torch.where(d > 0, 1 / d, 0.0)).abs()
+        whole = scaled.floor()
+        q = torch.copysign(whole + (2 * (scaled - whole)).floor(), w)  # half away from zero, as llama.cpp's roundf
+        return torch.cat((fp16_bytes(d[..., 0]), q.to(torch.int8).view(torch.uint8)), dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        return blocks[..., 2:].view(torch.int8).float() * fp16_field(blocks, 0)[..., None]
+
+    @property
+    def triton_load(self) -> Any:
+        return _load
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+              EVICT: tl.constexpr):
+        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns of the tile that share one block's d
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, _, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, 34, G)
+        q = tl.load(block + 2 + place, mask=mask, other=0, eviction_policy=EVICT)  # [R, BLOCK_K]
+        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
+        w = tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32), (R, BLOCK_K // G, G)) * d[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w

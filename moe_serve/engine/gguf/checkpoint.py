@@ -1,0 +1,133 @@
+"""A GGUF file as load_model reads it (loader.Checkpoint): llama.cpp's tensor names mapped onto our
+parameters, and each tensor read from the memory-mapped file when the loader asks for it.
+
+Routed experts (ffn_{gate,up,down}_exps, [E, N, K] with K along each row) stay in their GGML block
+type when an expert format keeps it (experts/formats/q8_0.py, k_quants.py): the rows of the file
+are the rows of our expert layout, copied as they are. The store holds one format, so the type
+holding most expert weights is it; expert tensors of another supported type (llama.cpp's Q4_K_M
+gives some layers' ffn_down_exps Q6_K) are dequantized and re-encoded in it, and said so in the
+log. F32/F16/BF16 experts load as float, to be stored as --expert-quant says. Any other expert
+type is refused at start-up by name. Every other tensor is dequantized by the gguf package.
+
+GGUF's llama (and so Mixtral) q and k rows are not Hugging Face's: llama.cpp rotates adjacent
+pairs of a head's dims where transformers rotates its two halves, and its converter reorders the
+rows to match (row 2 i + h of a head <- row h * head_dim / 2 + i). They are put back on reading.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor, quants
+from tqdm import tqdm
+
+from moe_serve.engine.experts.formats.k_quants import Q4_K, Q5_K, Q6_K
+from moe_serve.engine.experts.formats.q8_0 import Q8_0
+from moe_serve.engine.gguf.config import Metadata, hf_config
+from moe_serve.engine.loader import EncodedWeight, LoadError, Tensors, TensorTarget, map_names
+from moe_serve.engine.models.config import ModelConfig
+from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
+
+log = logging.getLogger(__name__)
+
+# GGML type -> the expert format that keeps its blocks as they are
+EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_K, Q5_K, Q6_K)}
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (config.py), no parameter of their own
+
+
+def _rules() -> tuple[TensorRule, ...]:
+    rules = [
+        TensorRule("token_embd.weight", "embed.weight"),
+        TensorRule("output_norm.weight", "norm.weight"),
+        TensorRule("output.weight", "lm_head.weight"),
+        TensorRule("blk.{L}.attn_norm.weight", "layers.{L}.attn_norm.weight"),
+        TensorRule("blk.{L}.ffn_norm.weight", "layers.{L}.mlp_norm.weight"),
+        TensorRule("blk.{L}.attn_q_norm.weight", "layers.{L}.attn.q_norm.weight"),
+        TensorRule("blk.{L}.attn_k_norm.weight", "layers.{L}.attn.k_norm.weight"),
+        TensorRule("blk.{L}.ffn_gate_inp.weight", "layers.{L}.mlp.router.weight"),
+        TensorRule("blk.{L}.ffn_gate_inp_shexp.weight", "layers.{L}.mlp.shared_gate.weight"),
+    ]
+    for kind in ("weight", "bias"):
+        rules += [TensorRule(f"blk.{{L}}.attn_{p}.{kind}", f"layers.{{L}}.attn.qkv.{kind}", p) for p in "qkv"]
+        rules.append(TensorRule(f"blk.{{L}}.attn_output.{kind}", f"layers.{{L}}.attn.o.{kind}"))
+        for suffix, ours in (("", "mlp."), ("_shexp", "mlp.shared.")):  # dense MLP, Qwen2-MoE's shared expert
+            rules += [TensorRule(f"blk.{{L}}.ffn_{p}{suffix}.{kind}", f"layers.{{L}}.{ours}gate_up.{kind}", p)
+                      for p in ("gate", "up")]
+            rules.append(TensorRule(f"blk.{{L}}.ffn_down{suffix}.{kind}", f"layers.{{L}}.{ours}down.{kind}"))
+    rules += [TensorRule(f"blk.{{L}}.ffn_{p}_exps.weight", EXPERT_PREFIX + p) for p in ("gate", "up", "down")]
+    return tuple(rules)
+
+
+GGUF_RULES = _rules()
+
+
+class GgufCheckpoint:
+    """A GGUF file as loader.Checkpoint: its config, names and tensors."""
+    quant = None  # GGML types are per tensor: the reader decodes them itself
+    rules = GGUF_RULES
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reader = GGUFReader(path)
+        self._tensors = {t.name: t for t in self.reader.tensors if t.name not in _CONFIG_TENSORS}
+        counts = _expert_types([t for name, t in self._tensors.items() if name.endswith("_exps.weight")])
+        expert_type = counts.most_common(1)[0][0] if counts else None  # the type of most expert weights
+        self._re_encoded = sorted(set(counts) - {expert_type})
+        # the type whose blocks the store keeps; None: float experts, encoded as --expert-quant says
+        self.kept_type = expert_type if expert_type in EXPERT_BLOCK_FORMATS else None
+        published = EXPERT_BLOCK_FORMATS.get(expert_type, "none")
+        self.config = replace(ModelConfig.from_hf(hf_config(self.reader)), published_expert_format=published)
+        self._pairs_rotated = Metadata(self.reader).architecture == "llama"
+
+    def targets(self) -> list[TensorTarget]:
+        if self._re_encoded:
+            log.warning("expert tensors of %s are re-encoded as %s, the type of most experts (the expert store keeps "
+                        "one format): not bit for bit", ", ".join(self._re_encoded), self.kept_type or "floats")
+        return map_names(list(self._tensors), self.path, self.rules)
+
+    def tensors(self, targets: list[TensorTarget], bar: tqdm) -> Tensors:
+        for target in targets:
+            tensor = self._tensors[target.hf_name]
+            if target.is_expert and tensor.tensor_type.name == self.kept_type:
+                yield target, EncodedWeight(torch.from_numpy(np.array(tensor.data)), None)  # [E, N, bytes]
+            else:
+                yield target, self._dequantized(target, tensor)
+            bar.update()
+
+    def _dequantized(self, target: TensorTarget, tensor: ReaderTensor) -> torch.Tensor:
+        try:
+            values = quants.dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise LoadError(f"tensor {tensor.name!r} is {tensor.tensor_type.name}, which the gguf package cannot "
+                            "dequantize") from None
+        weights = torch.from_numpy(values if values.flags.writeable else values.copy()).float()
+        if self._pairs_rotated and target.part in ("q", "k"):
+            heads = self.config.num_heads if target.part == "q" else self.config.num_kv_heads
+            weights = _halves_first(weights, heads)
+        if target.ours.endswith(".shared_gate.weight"):  # [1, H], which llama.cpp's converter squeezes to [H]
+            weights = weights.reshape(1, -1)
+        return weights
+
+
+def _expert_types(experts: list[ReaderTensor]) -> Counter[str]:
+    """Expert weights by GGML type; ValueError naming a type no expert format keeps and that does
+    not load as float."""
+    counts: Counter[str] = Counter()
+    for tensor in experts:
+        name = tensor.tensor_type.name
+        if name not in EXPERT_BLOCK_FORMATS and name not in _FLOAT_TYPES:
+            raise ValueError(f"{name} experts are not supported (tensor {tensor.name}); supported: "
+                             f"{', '.join([*EXPERT_BLOCK_FORMATS, *_FLOAT_TYPES])}")
+        counts[name] += tensor.n_elements
+    return counts
+
+
+def _halves_first(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's converter on q or k rows (weight [heads * D, H] or bias [heads * D]): each head's
+    rows (i, D/2 + i), interleaved there as rows 2 i, 2 i + 1, back to its two halves."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

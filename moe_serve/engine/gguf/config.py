@@ -1,0 +1,158 @@
+"""A GGUF file's metadata as the config.json ModelConfig.from_hf reads, so a GGUF model is built by
+the same family rules as its Hugging Face checkpoint.
+
+llama.cpp keeps a few settings only in the tensors, and they are read from there: tied embeddings
+(no output.weight), attention and MLP biases, the dense layers of a Qwen-MoE (no ffn_gate_inp),
+and llama3 rope scaling (rope_freqs, one divisor per frequency, from which the llama3 parameters
+are recovered and checked to give the same frequencies). Mixtral is GGUF's llama with experts.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader, GGUFValueType, ReaderTensor
+
+from moe_serve.engine.models.rope import RopeConfig, rope_frequencies
+
+_DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MOE = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+        "olmoe": "OlmoeForCausalLM"}
+ARCHITECTURES = tuple(sorted(set(_DENSE) | set(_MOE)))
+# whether llama.cpp renormalises the top-k routing weights of an architecture, when the file has no
+# expert_weights_norm key (it does for Mixtral and Qwen3-MoE, as their HF configs do)
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_REQUIRED = object()
+
+
+class Metadata:
+    """A GGUF's key-value metadata; `arch(key)` reads `<general.architecture>.key`."""
+
+    def __init__(self, reader: GGUFReader) -> None:
+        self.reader = reader
+        self.architecture = self.get("general.architecture")
+
+    def get(self, key: str, default: Any = _REQUIRED) -> Any:
+        field = self.reader.get_field(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise ValueError(f"GGUF metadata has no {key}")
+            return default
+        if field.types == [GGUFValueType.FLOAT32]:  # the shortest decimal of that float32: what was converted
+            return float(str(np.float32(field.contents())))
+        return field.contents()
+
+    def arch(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.get(f"{self.architecture}.{key}", default)
+
+
+def hf_config(reader: GGUFReader) -> dict[str, Any]:
+    """The config.json dict of the model in a GGUF file; ValueError naming what is not supported."""
+    meta = Metadata(reader)
+    arch, tensors = meta.architecture, {t.name: t for t in reader.tensors}
+    experts = int(meta.arch("expert_count", 0))
+    table = _MOE if experts else _DENSE
+    if arch not in table:
+        kind = "MoE" if experts else "dense"
+        raise ValueError(f"GGUF architecture {arch!r} ({kind}) is not supported; supported: dense "
+                         f"{', '.join(_DENSE)}, MoE {', '.join(_MOE)} (Mixtral is llama with experts)")
+    hidden, heads = meta.arch("embedding_length"), meta.arch("attention.head_count")
+    kv_heads = meta.arch("attention.head_count_kv", heads)
+    if isinstance(heads, list) or isinstance(kv_heads, list):
+        raise ValueError("GGUF files with per-layer head counts are not supported")
+    head_dim = meta.arch("attention.key_length", hidden // heads)
+    hf: dict[str, Any] = dict(
+        architectures=[table[arch]],
+        vocab_size=meta.arch("vocab_size", None) or _rows(tensors["token_embd.weight"]),
+        hidden_size=hidden,
+        num_hidden_layers=meta.arch("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=meta.arch("attention.layer_norm_rms_epsilon"),
+        max_position_embeddings=meta.arch("context_length"),
+        rope_parameters=_rope(meta, tensors.get("rope_freqs.weight"), head_dim),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id", None),
+        intermediate_size=meta.arch("feed_forward_length", 0),
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        mlp_bias="blk.0.ffn_up.bias" in tensors,
+    )
+    if experts:
+        hf.update(_moe_fields(meta, tensors, experts))
+    return hf
+
+
+def _moe_fields(meta: Metadata, tensors: dict[str, ReaderTensor], experts: int) -> dict[str, Any]:
+    layers = range(meta.arch("block_count"))
+    moe_layers = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    if not moe_layers:
+        raise ValueError(f"GGUF metadata says {experts} experts, but no layer has an ffn_gate_inp tensor")
+    width = meta.arch("expert_feed_forward_length", None) or _rows(tensors[f"blk.{moe_layers[0]}.ffn_gate_exps.weight"])
+    fields = dict(
+        num_experts=experts,
+        num_experts_per_tok=meta.arch("expert_used_count"),
+        norm_topk_prob=bool(meta.arch("expert_weights_norm", _NORM_TOPK[meta.architecture])),
+        moe_intermediate_size=width,
+        mlp_only_layers=[i for i in layers if i not in moe_layers],
+        decoder_sparse_step=1,
+        clip_qkv=meta.arch("attention.clamp_kqv", None),
+    )
+    if meta.architecture in ("llama", "olmoe"):  # their HF configs call the expert width intermediate_size
+        fields["intermediate_size"] = width
+    if meta.architecture == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = meta.arch("expert_shared_feed_forward_length")
+    return fields
+
+
+def _rows(tensor: ReaderTensor) -> int:
+    """Rows of a GGUF matrix (its shape is in ggml's order: columns first)."""
+    return int(tensor.shape[1])
+
+
+def _rope(meta: Metadata, freq_divisors: ReaderTensor | None, head_dim: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": float(meta.arch("rope.freq_base", 10000.0))}
+    rotated = meta.arch("rope.dimension_count", head_dim)
+    if rotated != head_dim:  # RopeConfig refuses it by name
+        params["partial_rotary_factor"] = rotated / head_dim
+    scaling = meta.arch("rope.scaling.type", "none")
+    if freq_divisors is not None:
+        return {**params, **_llama3_rope(np.asarray(freq_divisors.data, dtype=np.float64), params["rope_theta"],
+                                         head_dim)}
+    if scaling == "none":
+        return {**params, "rope_type": "default"}
+    if scaling == "linear":
+        return {**params, "rope_type": "linear", "factor": meta.arch("rope.scaling.factor")}
+    if scaling == "yarn":
+        return {**params, "rope_type": "yarn", "factor": meta.arch("rope.scaling.factor"),
+                "original_max_position_embeddings": meta.arch("rope.scaling.original_context_length"),
+                "beta_fast": meta.arch("rope.scaling.yarn_beta_fast", None),
+                "beta_slow": meta.arch("rope.scaling.yarn_beta_slow", None)}
+    raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; supported: none, linear, yarn, and llama3 "
+                     "(rope_freqs)")
+
+
+def _llama3_rope(divisors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """llama3 rope parameters from llama.cpp's rope_freqs: frequencies with wavelength under
+    L / high_freq_factor are kept (divisor 1), those over L / low_freq_factor divided by `factor`,
+    and between the two 1 / divisor = (1 - s) / factor + s with s = (L / wavelength - low) / (high - low).
+    Only L / low and L / high are determined, so low = 1; it takes two frequencies in the band."""
+    wavelength = 2 * math.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)  # [D/2]
+    factor = float(divisors.max())
+    band = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if band.sum() < 2:
+        raise ValueError(f"rope_freqs has {band.sum()} frequencies between its kept and its scaled ones: too few "
+                         "to recover llama3 rope scaling from")
+    blend = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)  # s
+    slope, intercept = np.polyfit(1 / wavelength[band], blend, 1)  # s = L / (high - 1) / wavelength - 1 / (high - 1)
+    high = 1 - 1 / intercept
+    params = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": float(high),
+              "original_max_position_embeddings": round(slope * (high - 1))}
+    recovered = rope_frequencies(RopeConfig.from_hf({"rope_parameters": {**params, "rope_theta": theta}}), head_dim)[0]
+    stored = 1 / torch.from_numpy(wavelength / (2 * math.pi) * divisors).float()
+    if not torch.allclose(recovered, stored, rtol=1e-4, atol=0):
+        raise ValueError("rope_freqs is not a llama3 rope scaling: only those are supported")
+    return params

@@ -1,0 +1,135 @@
+"""GGUF files load as the model they hold: for every supported architecture the logits equal those
+of the Hugging Face checkpoint of the same weights as the gguf package dequantizes them (fp32),
+routed experts keep the file's bytes, and expert types no format keeps are refused by name."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+
+from moe_serve.engine.config import ConfigError
+from moe_serve.engine.loader import read_config
+from moe_serve.engine.preflight import check_model_dir
+from tests.gguf_checkpoints import gguf_pair, llama_cpp_row_order
+from tests.quantized_checkpoints import assert_same_model, load, logits
+
+BLOCKS_OF_256 = dict(hidden_size=256, moe_intermediate_size=256)
+LLAMA3 = dict(max_position_embeddings=2048, rope_parameters=dict(
+    rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=8.0,
+    original_max_position_embeddings=1024))  # two of head_dim 16's frequencies in the blended band
+# family, expert type, other matrices' type, sizes; each family brings its quirks (tiny_checkpoints.py)
+CASES = [
+    ("mixtral", "Q8_0", "Q8_0", {}),  # GGUF's llama with experts: q/k rows reordered
+    ("qwen2_moe", "Q5_K", "Q8_0", BLOCKS_OF_256),  # shared expert and its gate, a dense layer, q/k/v biases
+    ("qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256),  # dense layers between MoE ones, per-head q/k norm, tied
+    ("olmoe", "Q6_K", "F16", dict(hidden_size=256, intermediate_size=256)),  # full q/k norm, clip_qkv
+    ("llama", None, "Q8_0", LLAMA3),  # biases everywhere, tied embeddings, llama3 rope as rope_freqs
+    ("qwen2", None, "Q8_0", dict(use_sliding_window=False)),  # linear rope (GGUF keeps no sliding window)
+    ("qwen3", None, "F16", {}),  # yarn rope, head_dim != hidden / heads
+]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+def _pair(root: Path, family: str, expert_type: str | None, weight_type: str, sizes: dict,
+          **kwargs) -> tuple[Path, Path]:
+    """The files of these settings, written once per module."""
+    dst = root / "-".join([family, str(expert_type), weight_type, *kwargs.get("types", {}).values()])
+    if dst.exists():
+        return dst / "model.gguf", dst / "reference"
+    return gguf_pair(family, dst, expert_type=expert_type or "F32", weight_type=weight_type, **sizes, **kwargs)
+
+
+@pytest.mark.parametrize("family,expert_type,weight_type,sizes", CASES, ids=[c[0] for c in CASES])
+def test_logits_equal_the_dequantized_reference(root: Path, family, expert_type, weight_type, sizes) -> None:
+    gguf_file, reference_path = _pair(root, family, expert_type, weight_type, sizes)
+    loaded, reference = load(gguf_file), load(reference_path)
+    if expert_type is None:
+        assert loaded.store is None
+        torch.testing.assert_close(logits(loaded), logits(reference), rtol=1e-5, atol=1e-5)
+    else:
+        assert loaded.store.layout.format.name == expert_type.lower()
+        assert_same_model(loaded, reference)
+
+
+def test_expert_rows_hold_the_files_bytes(root: Path) -> None:
+    gguf_file, _ = _pair(root, "qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256)
+    loaded = load(gguf_file)
+    tensors = {t.name: t.data for t in GGUFReader(gguf_file).tensors}
+    layout, expert = loaded.store.layout, 4
+    for moe, layer in enumerate(loaded.config.moe_layers):
+        row = loaded.store.row(moe, expert)
+        gate_up = np.concatenate([tensors[f"blk.{layer}.ffn_{part}_exps.weight"][expert] for part in ("gate", "up")])
+        np.testing.assert_array_equal(layout.sections["gate_up"].view(row).numpy(), gate_up)
+        np.testing.assert_array_equal(layout.sections["down"].view(row).numpy(),
+                                      tensors[f"blk.{layer}.ffn_down_exps.weight"][expert])
+
+
+def test_experts_of_a_second_type_are_re_encoded_in_the_first(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Q4_K_M files give some layers' ffn_down_exps Q6_K: the store keeps the type of most experts."""
+    odd_one = "blk.3.ffn_down_exps.weight"
+    gguf_file, reference_path = _pair(root, "qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256, types={odd_one: "Q6_K"})
+    with caplog.at_level(logging.WARNING, logger="moe_serve.engine.gguf.checkpoint"):
+        loaded = load(gguf_file)
+    assert "expert tensors of Q6_K are re-encoded as Q4_K" in caplog.text
+    reference = load(reference_path)
+    layout = loaded.store.layout
+    assert layout.format.name == "q4_k"
+    for moe in range(loaded.config.num_moe_layers):
+        got, want = layout.down(loaded.store.rows[moe]), reference.store.layout.down(reference.store.rows[moe])
+        if loaded.config.moe_layers[moe] == 3:
+            assert 0 < (got - want).norm() / want.norm() < 0.09  # Q6_K's weights, rounded again to Q4_K
+        else:
+            assert torch.equal(got, want)
+
+
+def test_float_experts_load_plain_or_as_expert_quant_says(root: Path) -> None:
+    gguf_file, reference_path = _pair(root, "mixtral", "F16", "F32", {})
+    assert_same_model(load(gguf_file), load(reference_path))
+    quantized = load(gguf_file, expert_quant="q8_0")
+    assert quantized.store.layout.format.name == "q8_0"
+    assert_same_model(quantized, load(reference_path, expert_quant="q8_0"))
+
+
+def test_an_expert_type_no_format_keeps_is_refused_by_name(root: Path) -> None:
+    gguf_file, _ = _pair(root, "mixtral", "Q4_0", "F32", {})
+    with pytest.raises(ValueError, match="Q4_0 experts are not supported .*supported: Q8_0, Q4_K, Q5_K, Q6_K"):
+        read_config(gguf_file)
+    with pytest.raises(ConfigError, match=f"--model {gguf_file}: Q4_0 experts are not supported"):
+        check_model_dir(str(gguf_file), "--model")
+
+
+def test_gguf_experts_are_not_quantized_again(root: Path) -> None:
+    gguf_file, _ = _pair(root, "mixtral", "Q8_0", "Q8_0", {})
+    config = read_config(gguf_file)
+    assert config.published_expert_format == "q8_0"
+    with pytest.raises(ValueError, match="experts are q8_0: --expert-quant int4 would quantize them again"):
+        config.expert_layout(torch.float32, "int4")
+
+
+def test_a_missing_gguf_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--model .*absent.gguf: no such GGUF file"):
+        check_model_dir(str(tmp_path / "absent.gguf"), "--model")
+
+
+def test_the_written_llama_row_order_is_the_one_llama_cpp_rotates_in_pairs() -> None:
+    """llama.cpp rotates dims 2 i, 2 i + 1 of a head together, transformers dims i, D/2 + i: with the
+    file's rows in llama_cpp_row_order, both compute the same rotated q. So the logits test above
+    checks that the loader undoes exactly llama.cpp's converter."""
+    heads, dim, hidden = 2, 8, 16
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(heads * dim, hidden, generator=gen), torch.randn(hidden, generator=gen)
+    angle = torch.rand(dim // 2, generator=gen)
+    cos, sin = angle.cos(), angle.sin()
+    first, second = (w @ x).view(heads, 2, dim // 2).unbind(1)
+    rotate_half = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)  # [heads, D]
+    even, odd = (llama_cpp_row_order(w, heads) @ x).view(heads, dim // 2, 2).unbind(-1)
+    pairs = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=1)  # [heads, 2, D/2]
+    torch.testing.assert_close(pairs.reshape(heads, dim), rotate_half)

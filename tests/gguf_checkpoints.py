@@ -1,0 +1,185 @@
+"""Tiny GGUF files for tests/engine/gguf/: a tiny model of a family written as llama.cpp's converter
+writes it (its metadata keys, tensor names, experts stacked [E, N, K], llama's q/k rows reordered,
+llama3 rope as rope_freqs), in chosen GGML types, next to the Hugging Face checkpoint of the same
+weights as the gguf package dequantizes them. Written here from the published format.
+
+    gguf_file, reference = gguf_pair("qwen3_moe", tmp_path, expert_type="Q4_K", hidden_size=256, ...)
+
+Loading `gguf_file` must compute what loading `reference` computes.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+from safetensors.torch import save_file
+
+from moe_serve.engine.experts.formats import expert_format
+from tests.tiny_checkpoints import tiny_hf_model
+
+ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
+                 "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+_LAYER = r"model\.layers\.(\d+)\."
+_NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
+    (r"model\.embed_tokens\.weight", "token_embd.weight"),
+    (r"model\.norm\.weight", "output_norm.weight"),
+    (r"lm_head\.weight", "output.weight"),
+    (_LAYER + r"input_layernorm\.weight", r"blk.\1.attn_norm.weight"),
+    (_LAYER + r"post_attention_layernorm\.weight", r"blk.\1.ffn_norm.weight"),
+    (_LAYER + r"self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
+    (_LAYER + r"self_attn\.o_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
+    (_LAYER + r"self_attn\.([qk])_norm\.weight", r"blk.\1.attn_\2_norm.weight"),
+    (_LAYER + r"mlp\.(gate|up|down)_proj\.(weight|bias)", r"blk.\1.ffn_\2.\3"),
+    (_LAYER + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
+    (_LAYER + r"mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight"),
+    (_LAYER + r"mlp\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
+]
+
+
+def gguf_name(name: str) -> str:
+    for pattern, replacement in _NAMES:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, replacement, name)
+    raise KeyError(name)
+
+
+def llama_cpp_row_order(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """The converter's reorder of llama q/k rows: each head's halves (i, D/2 + i) interleaved as rows
+    2 i, 2 i + 1, so llama.cpp's rotation of adjacent pairs computes transformers' rotate-half."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def encoded(w: torch.Tensor, type_name: str) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """w [..., K] in a GGML type: the gguf package's quantizer where it has one, else (the k-quants)
+    our expert format's encoding."""
+    qtype = GGMLQuantizationType[type_name]
+    values = w.float().numpy()
+    if type_name == "F32":
+        return values, qtype
+    if type_name == "F16":
+        return values.astype(np.float16), qtype
+    try:
+        return quants.quantize(values, qtype), qtype
+    except NotImplementedError:
+        return expert_format(type_name.lower(), torch.float32).encode(w)[0].numpy(), qtype
+
+
+def dequantized(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
+    return torch.from_numpy(np.array(quants.dequantize(data, qtype), dtype=np.float32))
+
+
+def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: str = "F32",
+              types: dict[str, str] | None = None, tokenizer: dict[str, Any] | None = None,
+              **sizes: Any) -> tuple[Path, Path]:
+    """Write dst/model.gguf and dst/reference/ from tiny_hf_model(family, **sizes); return both.
+    Routed experts are written in expert_type, other matrices in weight_type where their rows are whole
+    blocks of it (F32 otherwise, as are norms and biases); `types` sets single GGUF tensors' types.
+    `tokenizer`: tokenizer.ggml.* metadata to add."""
+    model = tiny_hf_model(family, **sizes)
+    config, arch = model.config, ARCHITECTURES[family]
+    dst.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(str(dst / "model.gguf"), arch)
+    _metadata(writer, config, arch)
+    for key, value in (tokenizer or {}).items():
+        getattr(writer, f"add_{key}")(value)
+    reference: dict[str, torch.Tensor] = {}
+
+    def add(name: str, w: torch.Tensor, type_name: str) -> torch.Tensor:
+        """Write w in its type; return the weights the file holds, as the gguf package dequantizes them."""
+        data, qtype = encoded(w, (types or {}).get(name, type_name))
+        writer.add_tensor(name, data, raw_dtype=qtype)
+        return dequantized(data, qtype).reshape(w.shape)
+
+    for name, w in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        layer = re.match(_LAYER, name)
+        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows first
+            gate, up = w.chunk(2, dim=1)
+            reference[name] = torch.cat([add(f"blk.{layer[1]}.ffn_{part}_exps.weight", half, expert_type)
+                                         for part, half in (("gate", gate), ("up", up))], dim=1)
+        elif name.endswith("experts.down_proj"):
+            reference[name] = add(f"blk.{layer[1]}.ffn_down_exps.weight", w, expert_type)
+        else:
+            target = gguf_name(name)
+            block = GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]][0]
+            type_name = weight_type if w.dim() == 2 and w.shape[1] % block == 0 else "F32"
+            written = w.squeeze(0) if target.endswith("ffn_gate_inp_shexp.weight") else w  # the converter squeezes it
+            if arch == "llama" and re.search(r"attn_[qk]\.", target):
+                written = llama_cpp_row_order(w, config.num_attention_heads if ".attn_q." in target
+                                              else config.num_key_value_heads)
+            add(target, written, type_name)
+            # rows are quantized apart, so the reference is the same rows in Hugging Face's order
+            reference[name] = dequantized(*encoded(w, (types or {}).get(target, type_name))).reshape(w.shape)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst / "model.gguf", _save_reference(model, reference, dst / "reference")
+
+
+def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["rope_theta"])
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope["rope_type"] == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    elif rope["rope_type"] == "llama3":
+        writer.add_tensor("rope_freqs.weight", _llama3_divisors(rope, head_dim))
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+    if arch == "olmoe" and config.clip_qkv is not None:
+        writer.add_clamp_kqv(config.clip_qkv)
+
+
+def _llama3_divisors(rope: dict[str, Any], head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_freqs for llama3 scaling: what each frequency is divided by."""
+    length, low, high = rope["original_max_position_embeddings"], rope["low_freq_factor"], rope["high_freq_factor"]
+    divisors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * rope["rope_theta"] ** (i / head_dim)
+        if wavelength < length / high:
+            divisors.append(1.0)
+        elif wavelength > length / low:
+            divisors.append(rope["factor"])
+        else:
+            blend = (length / wavelength - low) / (high - low)
+            divisors.append(1 / ((1 - blend) / rope["factor"] + blend))
+    return np.array(divisors, dtype=np.float32)
+
+
+def _save_reference(model: torch.nn.Module, tensors: dict[str, torch.Tensor], path: Path) -> Path:
+    path.mkdir()
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return path
