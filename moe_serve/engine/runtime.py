@@ -130,6 +130,8 @@ class Runtime:
             num_running=num_running,
             num_waiting=num_waiting,
             tpot_samples=tpot_samples,
+            expert_format=self.runner.layout.format.name if self.runner is not None else "",
+            expert_bytes=self.runner.layout.nbytes if self.runner is not None else 0,
         )
 
     def describe(self) -> dict:

@@ -39,7 +39,7 @@ VLLM_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 40
 VLLM_LABELS = ("model_name", "engine")
 ENGINE_INDEX = "0"
 _GAUGE_FIELDS = frozenset({"resident_experts", "num_running", "num_waiting", "tpot_samples", "batch_size_samples",
-                           "batch_token_samples", "kv_cache_usage"})
+                           "batch_token_samples", "kv_cache_usage", "expert_format", "expert_bytes"})
 
 
 def _add(a: MetricsSnapshot, b: MetricsSnapshot) -> MetricsSnapshot:
@@ -87,6 +87,13 @@ def _moe_families(s: MetricsSnapshot) -> Iterator[Metric]:
                      s.cache_misses_per_layer)
     yield GaugeMetricFamily("moe_expert_cache_resident_experts", "Experts resident in GPU cache slots.",
                             value=s.resident_experts)
+    if s.expert_format:
+        info = GaugeMetricFamily("moe_expert_format_info", "The routed experts' format (1 on the one in use).",
+                                 labels=["format"])
+        info.add_metric([s.expert_format], 1)
+        yield info
+        yield GaugeMetricFamily("moe_expert_bytes", "Bytes of one expert in its format: one cache slot, one copy.",
+                                value=s.expert_bytes)
     yield _labelled("moe_pcie_bytes", "Expert bytes copied host-to-GPU.", "kind",
                     {"demand": s.pcie_bytes_demand, "prefetch": s.pcie_bytes_prefetch})
     yield CounterMetricFamily("moe_pcie_wait_seconds", "Seconds compute waited on expert copies.",

@@ -34,6 +34,16 @@ def test_a_restarted_engine_keeps_counting_from_what_the_lost_one_had():
     assert samples[("moe_spec_phase_seconds_total", (("phase", "draft"),))] == 0.75
 
 
+def test_the_experts_format_and_bytes_per_expert_are_exported():
+    metrics = ServerMetrics("tiny")
+    metrics.on_snapshot(MetricsSnapshot(expert_format="q4_k", expert_bytes=1_234_567))
+    metrics.engine.engine_lost()  # a gauge: the next engine's own value, not a sum
+    metrics.on_snapshot(MetricsSnapshot(expert_format="q4_k", expert_bytes=1_234_567))
+    samples = _samples(metrics)
+    assert samples[("moe_expert_format_info", (("format", "q4_k"),))] == 1
+    assert samples[("moe_expert_bytes", ())] == 1_234_567
+
+
 # The same observations under our name and vLLM's: (moe_ sample, vllm: sample)
 SAME_VALUE = (
     ("moe_prompt_tokens_total", "vllm:prompt_tokens_total"),
