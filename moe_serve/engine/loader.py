@@ -160,7 +160,7 @@ def checkpoint_files(path: str | Path) -> list[Path]:
 
 
 def load_model(
-    path: str | Path,
+    path: str | Path | Checkpoint,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
     *,
@@ -168,10 +168,11 @@ def load_model(
     progress: bool = True,
     expert_quant: str = "none",
 ) -> LoadedModel:
-    """Load a local HF checkpoint dir; runner_factory(store, config) is required for MoE models.
-    `expert_quant`: the format the routed experts are encoded in as they stream into the store
-    (moe_serve/engine/experts/formats/); every other weight keeps `dtype`."""
-    checkpoint = open_checkpoint(path)
+    """Load a local HF checkpoint dir or GGUF file, or one already opened (a GGUF's header is parsed
+    once, tokenizer strings and all: seconds for a large vocabulary); runner_factory(store, config)
+    is required for MoE models. `expert_quant`: the format the routed experts are encoded in as they
+    stream into the store (moe_serve/engine/experts/formats/); every other weight keeps `dtype`."""
+    checkpoint = open_checkpoint(path) if isinstance(path, (str, Path)) else path
     config, quant, rules = checkpoint.config, checkpoint.quant, checkpoint.rules
     dtype = resolve_dtype(dtype, device)
     if config.is_moe and runner_factory is None:

@@ -19,7 +19,7 @@ from moe_serve.engine.graphs import GraphedBatchDecode, GraphedDecode
 from moe_serve.engine.kv.block_manager import blocks_for
 from moe_serve.engine.kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from moe_serve.engine.kv_cache import KVCache
-from moe_serve.engine.loader import load_model, read_config, resolve_dtype
+from moe_serve.engine.loader import load_model, open_checkpoint, read_config, resolve_dtype
 from moe_serve.engine.memory_plan import MemoryPlan, plan_memory
 from moe_serve.engine.messages import MetricsSnapshot
 from moe_serve.engine.model_runner import ModelRunner
@@ -188,7 +188,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
     config = _with_prefetch_fallback(config)
     device = torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
-    model_config = read_config(config.model)
+    checkpoint = open_checkpoint(config.model)  # opened once: the config now, the tensors below
+    model_config = checkpoint.config
     max_len = resolve_max_model_len(config.max_model_len, model_config)
     plan = _memory_plan(config, model_config, dtype, max_len, device)
     if config.gpu_expert_budget is None:
@@ -203,7 +204,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
         runners.append(CachedExpertRunner.from_config(store, config, top_k=model_config.top_k, observer=observer))
         return runners[-1]
 
-    loaded = load_model(config.model, device, dtype, runner_factory=runner_factory, expert_quant=config.expert_quant)
+    loaded = load_model(checkpoint, device, dtype, runner_factory=runner_factory, expert_quant=config.expert_quant)
+    del checkpoint  # a GGUF reader holds its parsed metadata
     runner = runners[0] if runners else None
     if runner is not None:
         runner.set_router_weights(loaded.model.router_weights())
