@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 
 class ExpertFormat(ABC):
@@ -70,3 +71,15 @@ def absmax_scales(w: torch.Tensor, qmax: float, dtype: torch.dtype = torch.float
     (an all-zero row or group, or one below dtype's range) gets scale 1, so it encodes as zeros."""
     scales = (w.abs().amax(dim=-1, keepdim=True) / qmax).to(dtype)
     return torch.where(scales > 0, scales, 1.0)
+
+
+def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
+    """uint8 values in 0..15 [..., L] -> [..., ceil(L / 2)] bytes, value 2j in the low nibble of byte j
+    (the order of int4, int4-zp and mxfp4, as GGML's and OCP MX's); an odd L ends in a 0 nibble."""
+    values = F.pad(values, (0, values.shape[-1] % 2))
+    return values[..., 0::2] | (values[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """pack_nibbles' inverse: [..., B] bytes -> [..., 2B] values in 0..15 (uint8)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)

@@ -17,7 +17,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from moe_serve.engine.experts.formats.base import ExpertFormat, absmax_scales
+from moe_serve.engine.experts.formats.base import (
+    ExpertFormat,
+    absmax_scales,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 try:
     import triton
@@ -52,11 +57,11 @@ class Int4(ExpertFormat):
         padded = F.pad(w.float(), (0, groups * g - k)).unflatten(-1, (groups, g))  # [..., N, G, g]
         scales = absmax_scales(padded, QMAX, torch.float16).squeeze(-1)  # [..., N, G]
         q = (padded / scales.float()[..., None]).round_().clamp_(-QMAX - 1, QMAX).flatten(-2)[..., :k]  # [..., N, K]
-        nibbles = F.pad((q + ZERO).to(torch.uint8), (0, k % 2), value=ZERO)
-        return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4), scales
+        # an odd row ends in the nibble of q = 0, not pack_nibbles' 0 (-8 here): padding decodes to 0
+        return pack_nibbles(F.pad((q + ZERO).to(torch.uint8), (0, k % 2), value=ZERO)), scales
 
     def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
-        nibbles = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)[..., :k]  # [..., N, K]
+        nibbles = unpack_nibbles(data)[..., :k]  # [..., N, K]
         per_weight = scales.float().repeat_interleave(group_size(k), dim=-1)[..., :k]  # [..., N, K]
         return ((nibbles.float() - ZERO) * per_weight).to(dtype)
 

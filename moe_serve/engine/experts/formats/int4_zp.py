@@ -24,7 +24,11 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from moe_serve.engine.experts.formats.base import ExpertFormat
+from moe_serve.engine.experts.formats.base import (
+    ExpertFormat,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 try:
     import triton
@@ -40,17 +44,6 @@ def zero_bytes(groups: int) -> int:
     """Bytes after a row's codes holding its `groups` zero points: two per byte, 16-byte padded."""
     packed = (groups + 1) // 2
     return -(-packed // _ALIGN) * _ALIGN
-
-
-def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
-    """uint8 values in 0..15 [..., L] -> [..., ceil(L / 2)] bytes, value 2j in the low nibble of byte j."""
-    values = F.pad(values, (0, values.shape[-1] % 2))
-    return values[..., 0::2] | (values[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """pack_nibbles' inverse: [..., B] bytes -> [..., 2B] values in 0..15 (uint8)."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
 def dequantize(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

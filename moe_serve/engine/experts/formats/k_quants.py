@@ -28,7 +28,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from moe_serve.engine.experts.formats.ggml_block import GgmlBlockFormat, fp16_bytes, fp16_field, nibbles
+from moe_serve.engine.experts.formats.ggml_block import (
+    GgmlBlockFormat,
+    fp16_bytes,
+    fp16_field,
+    nibbles,
+)
 
 try:
     import triton

@@ -24,7 +24,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from moe_serve.engine.experts.formats.base import ExpertFormat
+from moe_serve.engine.experts.formats.base import (
+    ExpertFormat,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 try:
     import triton
@@ -81,10 +85,10 @@ class Mxfp4(ExpertFormat):
         e = exponent - 3 + (mantissa > 0.75).to(exponent.dtype)
         scales = (e + E8M0_BIAS).clamp_(1, 2 * E8M0_BIAS).to(torch.uint8)  # [..., N, K / 32]; 0 and 255 never
         codes = _e2m1_codes(blocks / _e8m0_values(scales)[..., None]).flatten(-2)  # [..., N, K]
-        return codes[..., 0::2] | (codes[..., 1::2] << 4), scales
+        return pack_nibbles(codes), scales
 
     def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
-        codes = torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)  # [..., N, K]
+        codes = unpack_nibbles(data)  # [..., N, K]
         values = _e2m1_values(codes).unflatten(-1, (-1, BLOCK))  # [..., N, K / 32, 32]
         return (values * _e8m0_values(scales)[..., None]).flatten(-2).to(dtype)
 

@@ -13,7 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from moe_serve.engine.experts.formats.ggml_block import GgmlBlockFormat, fp16_bytes, fp16_field
+from moe_serve.engine.experts.formats.ggml_block import (
+    GgmlBlockFormat,
+    fp16_bytes,
+    fp16_field,
+)
 
 try:
     import triton
