@@ -19,10 +19,15 @@ from moe_serve.engine.experts.formats.base import ExpertFormat
 
 class CheckpointQuant(ABC):
     method: ClassVar[str]  # quantization_config.quant_method
-    expert_format: ClassVar[str]  # the experts/formats/ name routed experts keep (an --expert-quant value)
     # role -> the suffix that replaces ".weight" in the weight's name (".weight" itself for the codes
     # of methods that keep that name); every role of a quantized weight must be present
     suffixes: ClassVar[dict[str, str]]
+
+    @property
+    @abstractmethod
+    def expert_format(self) -> str:
+        """The experts/formats/ name routed experts keep (an --expert-quant value): a class constant,
+        or one the settings choose (GPTQ's and AWQ's group size)."""
 
     @classmethod
     @abstractmethod
