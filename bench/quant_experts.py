@@ -101,7 +101,9 @@ def fp32_reference(problem: Problem, quant: str) -> torch.Tensor:
     return out
 
 
-def rows_for_shape(shape: Shape, tokens_list: list[int], hbm_gbps: float, formats: list[str]) -> list[dict]:
+def random_problem_inputs(shape: Shape, tokens_list: list[int]) -> tuple[list[torch.Tensor], dict[int, tuple]]:
+    """Seeded bf16 experts N(0, 1/H), one slot buffer per layer, and per T its routing: per layer
+    T tokens' k distinct experts [T, k], the input x [T, H] and the routing weights [T, k]."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
     plain = [torch.empty(shape.experts, bf16.numel, dtype=torch.bfloat16, device="cuda")
@@ -113,6 +115,12 @@ def rows_for_shape(shape: Shape, tokens_list: list[int], hbm_gbps: float, format
         x = torch.randn(tokens, shape.hidden, generator=gen, device="cuda").to(torch.bfloat16)  # [T, H]
         weights = torch.rand(tokens, shape.top_k, generator=gen, device="cuda").softmax(-1)  # [T, k]
         routings[tokens] = (ids, x, weights)
+    return plain, routings
+
+
+def rows_for_shape(shape: Shape, tokens_list: list[int], hbm_gbps: float, formats: list[str]) -> list[dict]:
+    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+    plain, routings = random_problem_inputs(shape, tokens_list)
     rows, base_ms, base_out = [], {}, {}
     for quant in formats:
         layout, slots = encoded_slots(shape, quant, plain)
@@ -146,20 +154,11 @@ def rows_for_shape(shape: Shape, tokens_list: list[int], hbm_gbps: float, format
 
 def sweeps(shape: Shape, formats: list[str]) -> dict:
     """The quantized formats' tile sweeps at the given shape (see the module docstring)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
-    plain = [torch.empty(shape.experts, bf16.numel, dtype=torch.bfloat16, device="cuda")
-             .normal_(0, shape.hidden**-0.5, generator=gen) for _ in range(shape.layers)]
+    plain, routings = random_problem_inputs(shape, [1, 32])  # every format sweeps the same routings
     found = {}
     for quant in formats:
         layout, slots = encoded_slots(shape, quant, plain)
-        problems = {}
-        for tokens in (1, 32):
-            ids = [torch.rand(tokens, shape.experts, generator=gen, device="cuda").argsort(-1)[:, : shape.top_k]
-                   for _ in range(shape.layers)]
-            x = torch.randn(tokens, shape.hidden, generator=gen, device="cuda").to(torch.bfloat16)
-            weights = torch.rand(tokens, shape.top_k, generator=gen, device="cuda").softmax(-1)
-            problems[tokens] = Problem(layout, slots, ids, x, weights)
+        problems = {tokens: Problem(layout, slots, *routing) for tokens, routing in routings.items()}
         found[quant] = {
             "fused_t1": fused_bench.sweep(problems[1], shape, 1, time.monotonic() + SWEEP_SECONDS,
                                           FUSED_GATE_UP_GRID, FUSED_DOWN_GRID),

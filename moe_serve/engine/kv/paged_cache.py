@@ -123,10 +123,13 @@ class PagedStep:
         dev = host.to(device, non_blocking=True)
         runs = tuple(run for run in query_runs(layout.query_seq, layout.positions)
                      if run.end - run.start >= PREFILL_RUN_MIN_QUERIES)
-        in_runs = {t for run in runs for t in range(run.start, run.end)}
-        others = torch.tensor([t for t in range(len(layout.positions)) if t not in in_runs], dtype=torch.long)
+        others = None
+        if runs:
+            in_runs = {t for run in runs for t in range(run.start, run.end)}
+            others = torch.tensor([t for t in range(len(layout.positions)) if t not in in_runs], dtype=torch.long)
+            others = others.to(device, non_blocking=True)
         return cls(cache, dev[0], dev[1], dev[2], torch.tensor(tables, dtype=torch.int32).to(device),
-                   layout.max_span, runs, others.to(device, non_blocking=True) if runs else None)
+                   layout.max_span, runs, others)
 
     def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this step's k, v [T, nkv, D], then attend q [T, nq, D] over each token's sequence -> [T, nq*D]."""
