@@ -176,9 +176,25 @@ def startup_checks(args: argparse.Namespace, engine_config: EngineConfig) -> soc
 
 
 def bind_listener(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port, made with its protocol named (IPPROTO_TCP).
+
+    Why the protocol: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on accepted sockets
+    whose proto is IPPROTO_TCP, and socket.create_server's sockets say 0. Without it, every request
+    after the first on a kept-alive connection waited ~40 ms for the client's delayed ACK before its
+    response's second segment left (measured: /health 1.7 ms on a new connection, 44 ms on a reused
+    one, through curl and httpx alike)."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family)
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             proto=socket.IPPROTO_TCP)[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as create_server: restart at once
+            listener.bind(address)
+            listener.listen()
+        except OSError:
+            listener.close()
+            raise
+        return listener
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError(f"port {port} on {host} is already in use: stop what holds it or pass --port") from exc
