@@ -24,10 +24,10 @@ class Tokenizer:
     def __init__(self, model_dir: str, trust_remote_code: bool = False, *, tokenizer_dir: str | None = None,
                  chat_template: str | None = None) -> None:
         """tokenizer_dir: where the tokenizer files are when not in model_dir (--tokenizer); either may
-        be a GGUF file, whose metadata holds its tokenizer; chat_template: template text replacing the
-        checkpoint's (--chat-template)."""
-        folder, gguf = tokenizer_source(tokenizer_dir or model_dir)
-        self.hf = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
+        be a GGUF file, whose metadata holds its tokenizer (converted once, then read from the cache:
+        gguf/tokenizer_cache.py); chat_template: template text replacing the checkpoint's (--chat-template)."""
+        folder, kwargs = tokenizer_source(tokenizer_dir or model_dir)
+        self.hf = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
         if chat_template is not None:
             self.hf.chat_template = chat_template
         self.eos_token_ids = _eos_token_ids(self.hf, Path(model_dir))

@@ -1,9 +1,10 @@
 """GGUF files, llama.cpp's one-file checkpoints, served as they are: `--model path/to/file.gguf`.
 
-config.py derives the model's config from the file's metadata, checkpoint.py maps its tensor
-names and reads its tensors for the loader (routed experts kept in their GGML block type, through
-experts/formats/ggml_block.py, everything else dequantized), and transformers builds the
-tokenizer from the file's tokenizer.ggml.* metadata (`tokenizer_source`).
+reader.py reads a file's metadata and tensor table, config.py derives the model's config from the
+metadata, checkpoint.py maps its tensor names and reads its tensors for the loader (routed experts
+kept in their GGML block type, through experts/formats/ggml_block.py, everything else dequantized),
+and transformers builds the tokenizer from the file's tokenizer.ggml.* metadata, once per file:
+tokenizer_cache.py keeps it for every later load (`tokenizer_source`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ def is_gguf(path: str | Path) -> bool:
 
 def tokenizer_source(path: str | Path) -> tuple[str, dict[str, str]]:
     """AutoTokenizer.from_pretrained's folder and extra arguments for the tokenizer of a checkpoint
-    folder (as it is) or of a GGUF file (its folder, and gguf_file= its name)."""
+    folder (as it is) or of a GGUF file (its tokenizer's folder in the cache, converted on a miss)."""
     if not is_gguf(path):
         return str(path), {}
-    return str(Path(path).parent), {"gguf_file": Path(path).name}
+    from moe_serve.engine.gguf.tokenizer_cache import cached_tokenizer_source
+
+    return cached_tokenizer_source(Path(path))

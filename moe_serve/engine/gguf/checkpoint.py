@@ -22,13 +22,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor, quants
+from gguf import quants
 from tqdm import tqdm
 
 from moe_serve.engine.experts.formats.k_quants import Q4_K, Q5_K, Q6_K
 from moe_serve.engine.experts.formats.q8_0 import Q8_0
 from moe_serve.engine.gguf.config import Metadata, hf_config
-from moe_serve.engine.loader import EncodedWeight, LoadError, Tensors, TensorTarget, map_names
+from moe_serve.engine.gguf.reader import GgufFile, GgufTensor
+from moe_serve.engine.loader import (
+    EncodedWeight,
+    LoadError,
+    Tensors,
+    TensorTarget,
+    map_names,
+)
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
 
@@ -68,21 +75,21 @@ GGUF_RULES = _rules()
 
 class GgufCheckpoint:
     """A GGUF file as loader.Checkpoint: its config, names and tensors."""
-    quant = None  # GGML types are per tensor: the reader decodes them itself
+    quant = None  # GGML types are per tensor: tensors() decodes them itself
     rules = GGUF_RULES
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = GGUFReader(path)
-        self._tensors = {t.name: t for t in self.reader.tensors if t.name not in _CONFIG_TENSORS}
+        self.file = GgufFile(path)
+        self._tensors = {name: t for name, t in self.file.tensors.items() if name not in _CONFIG_TENSORS}
         counts = _expert_types([t for name, t in self._tensors.items() if name.endswith("_exps.weight")])
         expert_type = counts.most_common(1)[0][0] if counts else None  # the type of most expert weights
         self._re_encoded = sorted(set(counts) - {expert_type})
         # the type whose blocks the store keeps; None: float experts, encoded as --expert-quant says
         self.kept_type = expert_type if expert_type in EXPERT_BLOCK_FORMATS else None
         published = EXPERT_BLOCK_FORMATS.get(expert_type, "none")
-        self.config = replace(ModelConfig.from_hf(hf_config(self.reader)), published_expert_format=published)
-        self._pairs_rotated = Metadata(self.reader).architecture == "llama"
+        self.config = replace(ModelConfig.from_hf(hf_config(self.file)), published_expert_format=published)
+        self._pairs_rotated = Metadata(self.file).architecture == "llama"
 
     def targets(self) -> list[TensorTarget]:
         if self._re_encoded:
@@ -99,7 +106,7 @@ class GgufCheckpoint:
                 yield target, self._dequantized(target, tensor)
             bar.update()
 
-    def _dequantized(self, target: TensorTarget, tensor: ReaderTensor) -> torch.Tensor:
+    def _dequantized(self, target: TensorTarget, tensor: GgufTensor) -> torch.Tensor:
         try:
             values = quants.dequantize(tensor.data, tensor.tensor_type)
         except NotImplementedError:
@@ -114,7 +121,7 @@ class GgufCheckpoint:
         return weights
 
 
-def _expert_types(experts: list[ReaderTensor]) -> Counter[str]:
+def _expert_types(experts: list[GgufTensor]) -> Counter[str]:
     """Expert weights by GGML type; ValueError naming a type no expert format keeps and that does
     not load as float."""
     counts: Counter[str] = Counter()

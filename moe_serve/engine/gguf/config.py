@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType, ReaderTensor
 
+from moe_serve.engine.gguf.reader import GgufFile, GgufTensor
 from moe_serve.engine.models.rope import RopeConfig, rope_frequencies
 
 _DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -30,28 +30,23 @@ _REQUIRED = object()
 class Metadata:
     """A GGUF's key-value metadata; `arch(key)` reads `<general.architecture>.key`."""
 
-    def __init__(self, reader: GGUFReader) -> None:
-        self.reader = reader
+    def __init__(self, file: GgufFile) -> None:
+        self.values = file.metadata
         self.architecture = self.get("general.architecture")
 
     def get(self, key: str, default: Any = _REQUIRED) -> Any:
-        field = self.reader.get_field(key)
-        if field is None:
-            if default is _REQUIRED:
-                raise ValueError(f"GGUF metadata has no {key}")
-            return default
-        if field.types == [GGUFValueType.FLOAT32]:  # the shortest decimal of that float32: what was converted
-            return float(str(np.float32(field.contents())))
-        return field.contents()
+        if key not in self.values and default is _REQUIRED:
+            raise ValueError(f"GGUF metadata has no {key}")
+        return self.values.get(key, default)
 
     def arch(self, key: str, default: Any = _REQUIRED) -> Any:
         return self.get(f"{self.architecture}.{key}", default)
 
 
-def hf_config(reader: GGUFReader) -> dict[str, Any]:
+def hf_config(file: GgufFile) -> dict[str, Any]:
     """The config.json dict of the model in a GGUF file; ValueError naming what is not supported."""
-    meta = Metadata(reader)
-    arch, tensors = meta.architecture, {t.name: t for t in reader.tensors}
+    meta = Metadata(file)
+    arch, tensors = meta.architecture, file.tensors
     experts = int(meta.arch("expert_count", 0))
     table = _MOE if experts else _DENSE
     if arch not in table:
@@ -86,7 +81,7 @@ def hf_config(reader: GGUFReader) -> dict[str, Any]:
     return hf
 
 
-def _moe_fields(meta: Metadata, tensors: dict[str, ReaderTensor], experts: int) -> dict[str, Any]:
+def _moe_fields(meta: Metadata, tensors: dict[str, GgufTensor], experts: int) -> dict[str, Any]:
     layers = range(meta.arch("block_count"))
     moe_layers = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" in tensors]
     if not moe_layers:
@@ -108,12 +103,12 @@ def _moe_fields(meta: Metadata, tensors: dict[str, ReaderTensor], experts: int) 
     return fields
 
 
-def _rows(tensor: ReaderTensor) -> int:
+def _rows(tensor: GgufTensor) -> int:
     """Rows of a GGUF matrix (its shape is in ggml's order: columns first)."""
     return int(tensor.shape[1])
 
 
-def _rope(meta: Metadata, freq_divisors: ReaderTensor | None, head_dim: int) -> dict[str, Any]:
+def _rope(meta: Metadata, freq_divisors: GgufTensor | None, head_dim: int) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_theta": float(meta.arch("rope.freq_base", 10000.0))}
     rotated = meta.arch("rope.dimension_count", head_dim)
     if rotated != head_dim:  # RopeConfig refuses it by name

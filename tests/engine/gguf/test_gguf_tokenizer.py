@@ -7,29 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from moe_serve.server.tokenizer import Tokenizer
 from tests.cli_runs import run_cli
-from tests.gguf_checkpoints import gguf_pair
-
-# a byte-level BPE as Qwen's GGUFs carry one: the 256 byte tokens, a few merges, ChatML specials
-MERGES = ["Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "h e", "l l", "he ll", "hell o"]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TOKENS = [*bytes_to_unicode().values(), *(merge.replace(" ", "") for merge in MERGES), *SPECIALS]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-EOS = TOKENS.index("<|im_end|>")
+from tests.engine.gguf.gguf_tokenizers import EOS, TOKENS, gguf_with_tokenizer
 
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tokenizer = dict(tokenizer_model="gpt2", tokenizer_pre="qwen2", token_list=TOKENS, token_merges=MERGES,
-                     token_types=[1] * (len(TOKENS) - len(SPECIALS)) + [3] * len(SPECIALS), chat_template=CHAT_TEMPLATE)
-    path, _ = gguf_pair("qwen3_moe", tmp_path_factory.mktemp("gguf"), expert_type="Q8_0", weight_type="Q8_0",
-                        vocab_size=len(TOKENS), bos_token_id=TOKENS.index("<|endoftext|>"), eos_token_id=EOS,
-                        tokenizer=tokenizer)
-    return path
+    return gguf_with_tokenizer("qwen2", tmp_path_factory.mktemp("gguf"), expert_type="Q8_0", weight_type="Q8_0")
 
 
 def test_the_files_tokenizer_round_trips_and_renders_its_chat_template(gguf_file: Path) -> None:
