@@ -84,11 +84,10 @@ class EngineCore:
                      and self.spec_switch.speculate(len(self.scheduler.running), len(self.scheduler.waiting)))
         outputs = self._speculative_step(decoding[0]) if speculate else self._batched_step(scheduled.chunks)
         elapsed = time.perf_counter() - started
-        for seq in decoding:  # a prefill's token counts for TTFT, not TPOT
-            produced = len(seq.output_ids) - before[id(seq)]
-            self.tpot_samples.extend([elapsed / produced] * produced if produced else [])
-            if lone:
-                self.spec_switch.record(speculate, elapsed, produced)
+        produced = [len(seq.output_ids) - before[id(seq)] for seq in decoding]
+        for count in produced:  # a prefill's token counts for TTFT, not TPOT
+            self.tpot_samples.extend([elapsed / count] * count)
+        self.spec_switch.record(speculate if lone else None, elapsed, sum(produced))
         return outputs
 
     def _batched_step(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
