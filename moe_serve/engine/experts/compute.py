@@ -50,27 +50,36 @@ def accumulate_experts(
         start += count
 
 
+def reads_slots_in_place(x: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout) -> bool:
+    """Whether gathered_experts runs the Triton kernels, which read the routed slots where they lie
+    (any number of tokens then costs no copy of weight rows); otherwise it gathers T*k rows."""
+    if not x.is_cuda:
+        return False
+    from moe_serve.engine.experts import fused_experts as fused  # imports triton: only on the GPU path
+
+    return fused.fused_experts_supported(x, slots, layout)  # the grouped kernel has the same requirements
+
+
 def gathered_experts(
     x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
     layout: ExpertLayout,
 ) -> torch.Tensor:
-    """All routed experts of a few tokens at once, with no host sync: graph-capturable.
+    """All routed experts of the tokens at once, with no host sync: graph-capturable.
 
     x [T, H]; expert_weights/slot_ids [T, k] (each token's experts by the slot holding them);
-    slots [S, numel] holds every needed expert. Worth it while T*k is small (decode, short
-    verify spans); long prefills use accumulate_experts instead. On a GPU with triton the
-    kernels read the routed slots in place: from GROUPED_MIN_PAIRS (token, expert) pairs on, the
-    grouped kernel, which reads each slot once per block of its tokens; below, the fused GEMVs,
-    one per pair. Both decode quantized rows as they load them. Elsewhere the torch path gathers them.
+    slots [S, numel] holds every needed expert. Where the kernels read the routed slots in place
+    (reads_slots_in_place): from GROUPED_MIN_PAIRS (token, expert) pairs on, the grouped kernel,
+    which reads each slot once per block of its tokens; below, the fused GEMVs, one per pair. Both
+    decode quantized rows as they load them. Elsewhere the torch path gathers the rows: worth it
+    only while T*k is small (decode, short verify spans); long CPU prefills use accumulate_experts.
     """
-    if x.is_cuda:
-        from moe_serve.engine.experts import fused_experts as fused  # imports triton: only on the GPU path
+    if reads_slots_in_place(x, slots, layout):
+        from moe_serve.engine.experts import fused_experts as fused
         from moe_serve.engine.experts import grouped_experts as grouped
 
-        if fused.fused_experts_supported(x, slots, layout):  # the grouped kernel has the same requirements
-            if slot_ids.numel() >= GROUPED_MIN_PAIRS:
-                return grouped.grouped_experts(x, expert_weights, slots, slot_ids, layout)
-            return fused.fused_experts(x, expert_weights, slots, slot_ids, layout)
+        if slot_ids.numel() >= GROUPED_MIN_PAIRS:
+            return grouped.grouped_experts(x, expert_weights, slots, slot_ids, layout)
+        return fused.fused_experts(x, expert_weights, slots, slot_ids, layout)
     return gathered_experts_torch(x, expert_weights, slots, slot_ids, layout)
 
 

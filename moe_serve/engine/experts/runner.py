@@ -30,7 +30,7 @@ import torch
 
 from moe_serve.engine.config import EngineConfig, parse_budget
 from moe_serve.engine.experts.cache import CopyFn, ExpertCache, ExpertSource, Wave, copy_row
-from moe_serve.engine.experts.compute import accumulate_experts, gathered_experts
+from moe_serve.engine.experts.compute import accumulate_experts, gathered_experts, reads_slots_in_place
 from moe_serve.engine.experts.cpu_experts import (
     CPU_EXPERT_MODES,
     CpuExperts,
@@ -167,7 +167,8 @@ class CachedExpertRunner:
             raise RuntimeError("prefetch='next-layer' needs set_router_weights(model.router_weights()) first")
         if self._capture is not None:  # nothing runs now, so nothing is counted
             return self._run_captured(x, routing)
-        if self.graph_safe and (x.shape[0] == 1 or _capturing(x)):
+        if self.graph_safe and (x.shape[0] == 1 or _capturing(x)
+                                or reads_slots_in_place(x, self.cache.slots, self.layout)):
             return self._run_resident(x, routing)
         layer = routing.layer
         self.cache.begin_run(layer)
@@ -211,11 +212,14 @@ class CachedExpertRunner:
         return self.cache.resident_slots is not None and self._observer is None
 
     def _run_resident(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
-        """Every expert resident: no host sync, so CUDA graphs can capture it. Eagerly only for
-        one token, counted as its k distinct experts, all hits; while a graph is being captured
-        (any T) nothing is counted — a replay runs no Python, so the graph's owner counts replays."""
+        """Every expert resident: no host sync, so CUDA graphs can capture it. Eagerly for one token,
+        or any number where the kernels read the slots in place (a prefill on the GPU: the cache's
+        path would sync on every layer's experts, ~4 ms a layer of host work for a short prompt on
+        an H100). Counted as T*k hits, as replays are (count_replayed_tokens): the distinct experts
+        are not known without a sync; while a graph is being captured nothing is counted — a
+        replay runs no Python, so the graph's owner counts replays."""
         if not _capturing(x):
-            self.cache.stats.add(routing.layer, hits=routing.expert_ids.shape[1])
+            self.cache.stats.add(routing.layer, hits=routing.expert_ids.numel())
         slot_ids = self.cache.resident_slots[routing.layer][routing.expert_ids]  # [T, k]
         return gathered_experts(x, routing.expert_weights, self.cache.slots, slot_ids, self.layout)
 

@@ -103,3 +103,30 @@ def test_cuda_waves_do_not_overwrite_slots_compute_still_reads() -> None:
     runner.set_router_weights(routers)
     _check_run(runner, store, routers, tokens=2048, steps=2)
     assert runner.stats().total().waves > 2 * 2
+
+
+def test_cuda_a_resident_prefill_runs_the_kernels_without_a_host_sync() -> None:
+    """All experts resident: a many-token run (a prefill) goes to the in-place kernels with no sync,
+    where the cache's path would read every layer's experts back to the host."""
+    layout = ExpertLayout(hidden_size=64, intermediate_size=32, dtype=torch.float32)
+    store = ExpertStore.for_device(2, 8, layout, CUDA)
+    store.rows.copy_(torch.randn(store.rows.shape, generator=torch.Generator().manual_seed(0)) / 8)
+    runner = CachedExpertRunner(store, None, "lru", CUDA, top_k=TOP_K)
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    try:
+        assert runner.graph_safe
+        for layer in range(store.num_layers):
+            x = torch.randn(40, 64, generator=gen, device=CUDA)
+            probs = (x @ torch.randn(8, 64, generator=gen, device=CUDA).T).softmax(-1)  # [T, E]
+            weights, ids = probs.topk(TOP_K, dim=-1)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got = runner.run(x, LayerRouting(layer, ids, weights, probs))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            want = torch.zeros_like(x)
+            accumulate_experts(want, x, ids, weights, {e: store.rows[layer, e].to(CUDA) for e in range(8)}, layout)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        runner.close()
+    assert runner.stats().total().hits == store.num_layers * 40 * TOP_K
