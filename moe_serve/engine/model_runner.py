@@ -3,7 +3,7 @@
 The scheduler decides which tokens of which sequences; this turns them into the forward's flat
 token ids, positions and KV slots (moe_serve/engine/kv/paged_cache.py), keeps the logits of only the
 rows that sample, and samples them all at once (moe_serve/engine/sampler.py) under the grammar masks
-that fill on the host while the forward runs (moe_serve/engine/structured.py).
+that fill on the host once the forward is queued (moe_serve/engine/structured.py).
 """
 from __future__ import annotations
 
@@ -43,16 +43,16 @@ class ModelRunner:
         self.device = model.device
         self.on_forward = on_forward  # told the positions of each forward's tokens (routing traces)
         self.graphs = graphs  # decode-only steps replay CUDA graphs when set
-        self.masks = MaskFiller()  # the grammar masks, filled beside each forward (moe_serve/engine/structured.py)
+        self.masks = MaskFiller()  # the grammar masks, filled while the device runs each forward (engine/structured.py)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
         """Run chunks' tokens; per chunk, the token sampled after it and the prompt logprobs it scored."""
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         scored = [c.seq.unscored_prompt_positions(c.start, c.start + c.num_tokens) for c in chunks]
-        with self.masks.filling([chunks[i].seq.grammar for i in sampling], self.device) as masks:
-            logits = self._forward(chunks, sampling, scored)  # [S + P, V]
-            prompt_logprobs = self._score_prompts(chunks, scored, logits[len(sampling):]) if any(scored) else {}
-            sampled = self._sample(chunks, sampling, logits[:len(sampling)], masks) if sampling else {}
+        masks = self.masks.pending([chunks[i].seq.grammar for i in sampling], self.device)
+        logits = self._forward(chunks, sampling, scored)  # [S + P, V]
+        prompt_logprobs = self._score_prompts(chunks, scored, logits[len(sampling):]) if any(scored) else {}
+        sampled = self._sample(chunks, sampling, logits[:len(sampling)], masks) if sampling else {}
         return [ChunkResult(sampled.get(i), prompt_logprobs.get(i, [])) for i in range(len(chunks))]
 
     def _forward(self, chunks: list[ScheduledChunk], sampling: list[int], scored: list[range]) -> torch.Tensor:

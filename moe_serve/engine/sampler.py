@@ -30,6 +30,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from itertools import chain, repeat
 from math import inf, log
 
@@ -176,9 +177,15 @@ class TokenMask:
         """logits [B, V] with -inf at every forbidden token; a new tensor, so the logprobs still read
         the model's own logits."""
         # shifted so token j's bit lands on the sign bit: one comparison reads it (int32 shifts wrap)
-        to_sign = torch.arange(31, -1, -1, dtype=torch.int32, device=self.bits.device)  # [32]
-        forbidden = (self.bits[:, :, None] << to_sign) >= 0  # [B, W, 32]
+        forbidden = (self.bits[:, :, None] << _sign_shifts(self.bits.device)) >= 0  # [B, W, 32]
         return logits.masked_fill(forbidden.flatten(1)[:, :logits.shape[-1]], float("-inf"))  # [B, V]
+
+
+@cache
+def _sign_shifts(device: torch.device) -> torch.Tensor:
+    """[32] int32 31, 30, ..., 0: TokenMask's shifts, made once per device rather than per step (on
+    CUDA each arange is one more launch on the engine thread)."""
+    return torch.arange(31, -1, -1, dtype=torch.int32, device=device)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: TokenMask | None = None) -> SampledTokens:

@@ -1,5 +1,5 @@
 """Constrained decoding: a StructuredOutput compiled by llguidance, one matcher per sequence, one
-bitmask per step for the batch, filled on the host while the forward runs.
+bitmask per step for the batch, filled on the host once the forward is queued.
 
 llguidance (vLLM's `guidance` backend) compiles JSON schemas, regexes, choices and Lark grammars
 against the tokenizer lazily, computes a row's mask in tens of microseconds and has no heavy
@@ -14,9 +14,7 @@ EOS: the sequence then finishes at once ("stop"), without spending a step on the
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -73,8 +71,8 @@ class GrammarMatcher:
 
         A token the grammar refuses (only possible if the mask was bypassed) puts the matcher in
         its error state, which the sequence's next fill reports."""
-        self.matcher.consume_token(token)
-        return self.matcher.is_stopped() and not self.matcher.is_error()
+        # consume_token is False for a refused token (the matcher is then in its error state)
+        return self.matcher.consume_token(token) and self.matcher.is_stopped()
 
     def check(self) -> None:
         if self.matcher.is_error():
@@ -92,12 +90,13 @@ class Grammars:
     @classmethod
     def of_checkpoint(cls, model_dir: str, vocab_size: int, trust_remote_code: bool) -> "Grammars":
         def load():
-            from transformers import AutoTokenizer  # only an engine that meets a grammar needs it
+            # only an engine that meets a grammar needs transformers
+            from transformers import AutoTokenizer
 
             from moe_serve.engine.gguf import tokenizer_source
 
-            folder, gguf = tokenizer_source(model_dir)  # a GGUF file's tokenizer is in its metadata
-            return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
+            folder, kwargs = tokenizer_source(model_dir)  # a GGUF's: converted once, then read from the cache
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
 
         return cls(load, vocab_size)
 
@@ -124,54 +123,45 @@ class Grammars:
 
 @dataclass(frozen=True)
 class PendingMasks:
-    """A step's masks while llguidance fills them into host memory; result() waits for them."""
+    """A step's masks, filled when the sampler asks for them: the forward is queued by then, so on
+    CUDA the host fills while the device runs it."""
 
-    fill: Future[None]
-    bits: torch.Tensor  # [B, W] int32 on the host, pinned on CUDA
-    grammars: list[GrammarMatcher]  # the constrained rows' matchers
+    executor: llguidance.LLExecutor
+    rows: list[tuple[int, GrammarMatcher]]  # the constrained rows: (row of the batch, its matcher)
+    size: int  # the batch's rows, constrained or not
     device: torch.device
 
     def result(self) -> TokenMask:
-        """The masks on the device: the upload is queued, not waited for."""
-        self.fill.result()
-        for grammar in self.grammars:
-            grammar.check()  # a matcher that broke while filling fails before the batch samples
-        return TokenMask(self.bits.to(self.device, non_blocking=True))
+        """The masks on the device: the upload is queued, not waited for. A matcher broken by its last
+        token, or by this fill, raises GrammarError: the step's chunks then retry alone, so only its
+        sequence fails."""
+        width = (self.rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
+        # every bit set: a row without a grammar allows every token. Pinned (torch's caching host
+        # allocator, no cudaHostAlloc per step) so that the upload need not wait for the host
+        bits = torch.full((self.size, width), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")  # [B, W]
+        self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in self.rows], bits.data_ptr(), width * 4,
+                                              self.size)
+        for _, grammar in self.rows:
+            grammar.check()
+        return TokenMask(bits.to(self.device, non_blocking=True))
 
 
 class MaskFiller:
-    """Fills a step's masks beside its forward: llguidance computes every constrained row at once on
-    its own threads, off the GIL, called from one worker thread so that the engine thread goes on
-    launching (on CUDA: then the device runs) the forward meanwhile. The masks of step N depend only
-    on the tokens before it, so the fill starts before the forward does. (The hand-off costs the
-    engine thread tens of microseconds; the fill it hides grows with the batch and the vocabulary.)"""
+    """Fills each step's masks from the engine thread, after the forward is queued: llguidance computes
+    the constrained rows on its own threads (a lone row on the calling thread), off the GIL.
+
+    Why not on a worker thread beside the forward: its hand-off (a wake-up there, the GIL, a wake-up
+    back) cost the engine thread more than the fill it hid. On a 2-core host, one row of the default
+    model's 8k vocabulary took 40 us from start to masks through a worker, 7 us here; 32 rows under a
+    simulated host-bound forward cost the engine thread no less through the worker than here."""
 
     @cached_property
     def executor(self) -> llguidance.LLExecutor:  # a thread pool: started by the first constrained step
         return llguidance.LLExecutor()
 
-    @cached_property
-    def worker(self) -> Executor:  # waits on the executor's threads, so the engine thread need not
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-
-    @contextmanager
-    def filling(self, grammars: Sequence[GrammarMatcher | None], device: torch.device) -> Iterator[PendingMasks | None]:
-        """Fill the masks of a step's sampling rows during the block; None (and no work) when no row is
-        constrained. The block leaves the matchers alone until result(); leaving it waits for the
-        fill, so a failed step's retry never meets a matcher still filling."""
+    def pending(self, grammars: Sequence[GrammarMatcher | None], device: torch.device) -> PendingMasks | None:
+        """The masks of a step's sampling rows, to fill once its forward is queued; None (and no work)
+        when no row is constrained. Nothing runs until result(), so a step that fails before it
+        leaves the matchers as they were."""
         rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
-        if not rows:
-            yield None
-            return
-        for _, grammar in rows:
-            grammar.check()  # a broken matcher fails here, before the forward: only its row retries
-        width = (rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
-        # every bit set: a row without a grammar allows every token. Pinned (torch's caching host
-        # allocator, no cudaHostAlloc per step) so that the upload need not wait for the host
-        bits = torch.full((len(grammars), width), -1, dtype=torch.int32, pin_memory=device.type == "cuda")  # [B, W]
-        fill = self.worker.submit(self.executor.unsafe_compute_mask_ptr, [(g.matcher, i) for i, g in rows],
-                                  bits.data_ptr(), width * 4, len(grammars))
-        try:
-            yield PendingMasks(fill, bits, [g for _, g in rows], device)
-        finally:
-            wait([fill])
+        return PendingMasks(self.executor, rows, len(grammars), device) if rows else None

@@ -1,15 +1,12 @@
 """Constrained decoding in the engine: every constrained answer parses and validates against its
 schema (or matches its regex / choice) at temperature 0 and 1, batched beside unconstrained rows
 that stay equal to their solo answers; a bad grammar or a broken matcher fails only its own
-request; a constrained sequence never speculates, so --spec changes none of its tokens. The masks
-fill beside the forward: each row's is what its matcher computes alone, the tokens are those of
-a fill done before the forward or finishing after it, and a step without a grammar never fills."""
+request; a constrained sequence never speculates, so --spec changes none of its tokens. Each row
+of a step's masks is what its matcher computes alone, and a step without a grammar never fills."""
 from __future__ import annotations
 
 import json
 import re
-import time
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -148,52 +145,16 @@ def test_grammars_name_what_does_not_compile(tiny_model: Path) -> None:
         grammar_text(StructuredOutput("choice", '["a", 1]'))
 
 
-class InlineWorker(Executor):
-    """Fills at submit, on the engine thread: the serial order, masks first and then the forward."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        future.set_result(fn(*args, **kwargs))
-        return future
-
-
-class LateWorker(ThreadPoolExecutor):
-    """Fills on its thread after a pause, long after the tiny model's forward is done."""
-
-    def __init__(self) -> None:
-        super().__init__(max_workers=1)
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        def late():
-            time.sleep(0.02)
-            return fn(*args, **kwargs)
-
-        return super().submit(late)
-
-
 def refuse(*args, **kwargs):
     raise AssertionError("a step without a grammar ran the mask path")
 
 
-class RefusingWorker(Executor):
-    submit = refuse
-
-
-@pytest.mark.parametrize("worker", [InlineWorker, LateWorker])
-def test_masks_filled_beside_the_forward_give_the_tokens_of_a_serial_fill(core: EngineCore, worker: type[Executor],
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    free = GenerateRequest("free", (1, 9, 8), SamplingParams(max_tokens=12, temperature=1.0, seed=3))
-    reqs = [constrained(f"c{i}", s, 1.0, seed=i) for i, s in enumerate(STRUCTURED)] + [free]
-    beside = run_together(core, reqs)
-    monkeypatch.setattr(core.runtime.batch_runner.masks, "worker", worker())
-    other = run_together(core, reqs)
-    for request in reqs:
-        assert not any(o.error for o in other[request.request_id])
-        assert tokens(other[request.request_id]) == tokens(beside[request.request_id]), request.request_id
+class RefusingExecutor:
+    unsafe_compute_mask_ptr = refuse
 
 
 def test_a_step_without_a_grammar_skips_the_mask_path(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core.runtime.batch_runner.masks, "worker", RefusingWorker())
+    monkeypatch.setattr(core.runtime.batch_runner.masks, "executor", RefusingExecutor())
     monkeypatch.setattr(TokenMask, "restrict", refuse)
     reqs = [GenerateRequest(f"free{i}", (1, 9 + i, 8), SamplingParams(max_tokens=6, temperature=t, seed=i))
             for i, t in enumerate((0.0, 1.0, 0.0, 0.7))]
@@ -206,22 +167,10 @@ def test_each_filled_row_is_its_matchers_own_mask(tiny_model: Path) -> None:
     matchers = [grammars.matcher(s) for s in STRUCTURED]
     matchers[0].advance(AutoTokenizer.from_pretrained(tiny_model).encode("{", add_special_tokens=False)[0])
     rows = [matchers[0], None, *matchers[1:], None]
-    with MaskFiller().filling(rows, torch.device("cpu")) as masks:
-        assert masks is not None
-        bits = masks.result().bits  # [B, W]
+    masks = MaskFiller().pending(rows, torch.device("cpu"))
+    assert masks is not None
+    bits = masks.result().bits  # [B, W]
     for row, grammar in zip(bits, rows):
         alone = torch.frombuffer(bytearray(grammar.matcher.compute_bitmask()), dtype=torch.int32) \
             if grammar is not None else torch.full_like(row, -1)  # a row without a grammar allows every token
         assert torch.equal(row, alone)
-
-
-def test_leaving_a_failed_step_waits_for_its_fill(tiny_model: Path) -> None:
-    """So that the retry of the step's chunks never meets a matcher, or a buffer, still in use."""
-    filler = MaskFiller()
-    filler.worker = LateWorker()
-    matcher = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model)).matcher(STRUCTURED[1])
-    with pytest.raises(RuntimeError, match="the forward failed"), filler.filling([matcher], torch.device("cpu")) as masks:
-        assert masks is not None
-        fill = masks.fill
-        raise RuntimeError("the forward failed")
-    assert fill.done()
