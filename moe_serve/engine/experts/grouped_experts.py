@@ -21,8 +21,8 @@ argument): quantized slots are read as stored and decoded in registers into x's 
 tl.dot, as the torch path decodes them; the plain format's load is the bare tile load.
 
 Shapes depend only on (T, k, S, H, I), so CUDA graphs capture it. H, I and k are compile-time
-constants, like fused_experts.py (one compile per model shape; the align kernel also compiles
-once per power of two of T*k). The torch path in compute.py stays the reference.
+constants, like fused_experts.py (one compile per model shape; the align kernel, which only
+graphs use, also once per power of two of T*k). The torch path in compute.py stays the reference.
 """
 from __future__ import annotations
 
@@ -74,19 +74,50 @@ def max_blocks(pairs: int, num_slots: int, block_m: int) -> int:
     return (pairs + min(pairs, num_slots) * (block_m - 1)) // block_m
 
 
-def block_layout(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> BlockLayout:
+def block_layout(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: bool | None = None) -> BlockLayout:
     """Group the pairs of slot_ids [T, k] by slot in blocks of up to block_m, with no host sync.
-    One Triton program: on an H100 it took 2-6 us in a graph where the same steps as ten small
-    torch ops (sort, searchsorted, cumsum) took 21-46 us."""
+
+    kernel: the one-program Triton sort (None: while a CUDA graph is being captured). On an H100 it
+    took 2-6 us in a graph where ten small torch ops (sort, scatter_add, cumsum, searchsorted) took
+    21-46 us; but it compiles once per power of two of the pair count (its sort's width is a
+    compile-time constant), ~1 s each, which an eager step (a prefill of any length) must not wait
+    for, while a few tens of microseconds are nothing beside its forward. So graphs take the kernel,
+    eager calls the torch ops; both write the same layout."""
     flat = slot_ids.reshape(-1).contiguous()  # [P]
     pairs, grid = flat.numel(), max_blocks(flat.numel(), num_slots, block_m)
-    pairs_pad = max(DOT_MIN, triton.next_power_of_2(pairs))  # the program sorts all pairs at once
-    buffer = torch.empty(pairs + 3 * grid + 1, dtype=torch.int32, device=flat.device)
-    order, block_slot, block_first, block_rows, num_blocks = buffer.split([pairs, grid, grid, grid, 1])
-    scratch = torch.empty(pairs_pad, dtype=torch.int64, device=flat.device)  # [P_PAD] to read sorted neighbours
-    _align_kernel[(1,)](flat, scratch, order, block_slot, block_first, block_rows, num_blocks, pairs,
-                        P_PAD=pairs_pad, BLOCK_M=block_m)
-    return BlockLayout(order, block_slot, block_first, block_rows, num_blocks)
+    # one allocation, each part starting 16-byte aligned (4 int32): Triton specializes pointer
+    # arguments on 16-byte alignment, so parts at offsets that vary with the pair count compiled the
+    # kernels again for each new mix of alignments
+    parts = [pairs, grid, grid, grid, 1]
+    padded = [-(-n // 4) * 4 for n in parts]
+    buffer = torch.empty(sum(padded), dtype=torch.int32, device=flat.device)
+    layout = BlockLayout(*(part[:n] for part, n in zip(buffer.split(padded), parts)))
+    if kernel if kernel is not None else (flat.is_cuda and torch.cuda.is_current_stream_capturing()):
+        pairs_pad = max(DOT_MIN, triton.next_power_of_2(pairs))  # the program sorts all pairs at once
+        scratch = torch.empty(pairs_pad, dtype=torch.int64, device=flat.device)  # [P_PAD] to read sorted neighbours
+        _align_kernel[(1,)](flat, scratch, layout.order, layout.block_slot, layout.block_first, layout.block_rows,
+                            layout.num_blocks, pairs, P_PAD=pairs_pad, BLOCK_M=block_m)
+    else:
+        _fill_layout(flat.long(), num_slots, block_m, layout)
+    return layout
+
+
+def _fill_layout(flat: torch.Tensor, num_slots: int, block_m: int, layout: BlockLayout) -> None:
+    """The align kernel's layout from torch ops (none syncs: no bincount, whose size needs the host).
+    Blocks past the real count get some slot's values: the kernels never read them."""
+    order = torch.sort(flat, stable=True).indices  # [P] pairs by slot, ties in routing order
+    counts = torch.zeros(num_slots, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))  # [S] pairs per slot
+    blocks = (counts + block_m - 1) // block_m  # [S]
+    blocks_through = blocks.cumsum(0)  # [S] blocks of slots <= s
+    block = torch.arange(layout.block_slot.shape[0], device=flat.device)  # [G]
+    slot = torch.searchsorted(blocks_through, block, right=True).clamp_(max=num_slots - 1)  # [G]
+    nth = block - (blocks_through - blocks)[slot]  # [G] the block's index among its slot's blocks
+    layout.order.copy_(order)
+    layout.block_slot.copy_(slot)
+    layout.block_first.copy_((counts.cumsum(0) - counts)[slot] + nth * block_m)
+    layout.block_rows.copy_((counts[slot] - nth * block_m).clamp(max=block_m))
+    layout.num_blocks.copy_(blocks_through[-1:])
 
 
 def default_config(hidden: int, intermediate: int, dtype: torch.dtype = torch.bfloat16) -> GroupedConfig:

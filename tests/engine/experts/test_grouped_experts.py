@@ -82,11 +82,12 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
 
 
-def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> tuple[list[tuple[int, list[int]]], int]:
+def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int,
+                      kernel: bool) -> tuple[list[tuple[int, list[int]]], int]:
     """Each real block's (slot, pairs), read off the layout the way the kernels read it; and the grid size."""
     from moe_serve.engine.experts.grouped_experts import block_layout
 
-    layout = block_layout(slot_ids, num_slots, block_m)
+    layout = block_layout(slot_ids, num_slots, block_m, kernel=kernel)
     order = layout.order.tolist()
     blocks = []
     for block in range(layout.num_blocks.item()):
@@ -95,14 +96,15 @@ def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int) -> t
     return blocks, layout.block_slot.shape[0]
 
 
-def check_block_layouts(cases: list[tuple[int, int, int, int]]) -> None:
-    """Run in the subprocess: every pair lands in exactly one block of <= block_m pairs of one slot."""
+def check_block_layouts(cases: list[tuple[int, int, int, int]], kernel: bool) -> None:
+    """Every pair lands in exactly one block of <= block_m pairs of one slot (the kernel's layout runs
+    in the interpreter's subprocess)."""
     from moe_serve.engine.experts.grouped_experts import max_blocks
 
     for t, k, num_slots, block_m in cases:
         gen = torch.Generator().manual_seed(t * k)
         slot_ids = torch.randint(0, num_slots, (t, k), generator=gen)  # [T, k]
-        blocks, grid = _blocks_in_python(slot_ids, num_slots, block_m)
+        blocks, grid = _blocks_in_python(slot_ids, num_slots, block_m, kernel)
         flat = slot_ids.reshape(-1).tolist()
         assert sorted(p for _, pairs in blocks for p in pairs) == list(range(t * k)), (t, k, blocks)
         for slot, pairs in blocks:
@@ -111,7 +113,7 @@ def check_block_layouts(cases: list[tuple[int, int, int, int]]) -> None:
         assert len(blocks) == sum(-(-flat.count(s) // block_m) for s in set(flat))  # only a slot's last block is short
         assert len(blocks) <= grid <= -(-t * k // block_m) + min(t * k, num_slots)
     # the bound is reached when every slot leaves one pair over
-    blocks, grid = _blocks_in_python(torch.tensor([0] * 17 + [1] * 17 + [2]).view(-1, 1), 3, 16)
+    blocks, grid = _blocks_in_python(torch.tensor([0] * 17 + [1] * 17 + [2]).view(-1, 1), 3, 16, kernel)
     assert len(blocks) == grid == max_blocks(35, 3, 16) == 5
 
 
@@ -128,7 +130,13 @@ def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
 
 @needs_triton
 def test_block_layout_covers_every_pair_once_in_blocks_of_one_slot():
-    run_interpreted(__file__, f"check_block_layouts({json.dumps(LAYOUT_CASES)})")
+    run_interpreted(__file__, f"check_block_layouts({json.dumps(LAYOUT_CASES)}, kernel=True)")
+
+
+@needs_triton
+def test_eager_block_layout_covers_every_pair_once_in_blocks_of_one_slot():
+    check_block_layouts(LAYOUT_CASES, kernel=False)
+
 
 
 def test_cpu_keeps_the_torch_path_at_any_batch():
@@ -205,3 +213,45 @@ def test_cuda_graph_replays_new_routing():
             static.copy_(new)
         graph.replay()
         torch.testing.assert_close(captured, grouped_experts(x2, weights2, slots, new_ids, layout), rtol=0, atol=0)
+
+
+@needs_cuda
+def test_cuda_new_token_counts_compile_nothing_new():
+    """Prefills come in every length: after one run per power of two of pairs, the expert kernels
+    must not compile again (their block-layout buffers once started at alignments that varied with
+    the pair count, and each new mix compiled all three kernels, ~1 s on a prefill's path)."""
+    from moe_serve.engine.experts import grouped_experts as grouped
+
+    def variants() -> int:
+        kernels = (grouped._align_kernel, grouped._gate_up_kernel, grouped._down_kernel)
+        caches = [getattr(kernel, "device_caches", None) for kernel in kernels]
+        if any(cache is None for cache in caches):
+            pytest.skip("this triton keeps its compiled kernels elsewhere")
+        return sum(len(cache[torch.cuda.current_device()][0]) for cache in caches)
+
+    for t in (16, 17, 32, 33):  # each P_PAD of the lengths below, with P both even and odd multiples of 16
+        layout, slots, x, ids, weights = _problem(256, 128, t, 2, torch.bfloat16, "cuda")
+        grouped.grouped_experts(x, weights, slots, ids, layout)
+    compiled = variants()
+    for t in range(17, 60):
+        layout, slots, x, ids, weights = _problem(256, 128, t, 2, torch.bfloat16, "cuda", seed=t)
+        grouped.grouped_experts(x, weights, slots, ids, layout)
+    assert variants() <= compiled + 2  # at most P's own specialization (a multiple of 16 or not) at new sizes
+
+
+@needs_cuda
+def test_cuda_both_block_layouts_agree_and_the_eager_one_never_syncs():
+    from moe_serve.engine.experts.grouped_experts import block_layout
+
+    for t, k, num_slots, block_m in LAYOUT_CASES:
+        slot_ids = torch.randint(0, num_slots, (t, k), generator=torch.Generator().manual_seed(t)).cuda()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = block_layout(slot_ids, num_slots, block_m, kernel=False)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        kernel = block_layout(slot_ids, num_slots, block_m, kernel=True)
+        real = int(kernel.num_blocks)
+        assert int(eager.num_blocks) == real and torch.equal(eager.order, kernel.order)
+        for name in ("block_slot", "block_first", "block_rows"):
+            assert torch.equal(getattr(eager, name)[:real], getattr(kernel, name)[:real]), name
