@@ -72,6 +72,18 @@ def test_greedy_only_batch_takes_any_float_dtype() -> None:
     assert tokens == logits.float().argmax(-1).tolist() and logprobs == [None] * 6
 
 
+def test_a_greedy_batch_without_extras_sends_nothing_and_still_gives_logprobs() -> None:
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    rows = [SamplingRow(SamplingParams(8, temperature=0.0, logprobs=n, presence_penalty=0.5), 0, [])
+            for n in (None, 0, 3)]  # a penalty with no output yet changes nothing
+    batch = SamplingBatch.build(rows, CPU)
+    assert batch.num_sampled == 0 and batch.output_ids is None and batch.presence.numel() == 0
+    tokens, logprobs = run(logits, rows)
+    assert tokens == logits.argmax(-1).tolist() and logprobs[0] is None
+    for b in (1, 2):
+        assert_logprob_close(logprobs[b], token_logprob(logits[b], tokens[b], rows[b].params.logprobs))
+
+
 def test_logprobs_equal_token_logprob_of_penalised_logits() -> None:
     rng = random.Random(1)
     rows = [random_row(rng) for _ in range(60)]
