@@ -17,9 +17,12 @@ same tokens. A shared torch.Generator would hand each row whatever part of the s
 neighbours left, and a per-request Generator cannot draw for the whole batch in one kernel. So
 each row draws with the exponential race: token = argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d.
 picks v with probability p_v exactly (p need not even be normalised). E_v = -log(u_v), and u_v
-in (0, 1) comes from a 32-bit integer hash of (seed, step, v) computed with int64 tensor ops,
-where step is the number of tokens the row has generated so far. Integer ops give the same bits
-on every device, so a row's draw depends only on its seed, its step and its own probabilities:
+in (0, 1) comes from a 32-bit integer hash of (seed, step, v), where step is the number of tokens
+the row has generated so far: the row's part, a hash of (seed, step), is computed on the host with
+the batch's other parameters (on the device it was ~30 launches on [S] tensors, most of a sampled
+step's host time), the token's part once per vocabulary, and they are mixed with int64 tensor ops.
+Integer ops give the same bits on every device, so a row's draw depends only on its seed, its step
+and its own probabilities:
 not on its batch, its position in it, or the device. (E itself goes through a float64 log
 rounded to float32, which CPU and CUDA agree on except, in principle, within one float32 ulp;
 the probabilities are float32 reductions, so tokens of two devices differ only where two
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import chain, repeat
 from math import inf, log
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +46,7 @@ _TINY = torch.finfo(torch.float32).tiny  # the smallest temperature kept (see sa
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 2**64 - 1
 _TOKEN_SALT = 0x9E3779B9  # keeps token 0 off the hash's fixed point at 0
+Int = TypeVar("Int", int, torch.Tensor)
 
 
 @dataclass(frozen=True)
@@ -58,15 +63,14 @@ class SamplingRow:
 class SamplingBatch:
     """One step's sampling inputs for B rows: device tensors, plus host facts that skip work.
 
-    Only the S sampled rows (temperature > 0) carry temperature, top-k, top-p, seed and step:
+    Only the S sampled rows (temperature > 0) carry temperature, top-k, top-p and noise key:
     greedy rows need none of them."""
 
     sampled_rows: torch.Tensor  # [S] int64: the rows with temperature > 0, ascending
     temperature: torch.Tensor  # [S] fp32, at least float32's smallest normal
     top_k: torch.Tensor  # [S] int64, 0 = off
     top_p: torch.Tensor  # [S] fp32
-    seed: torch.Tensor  # [S] int64: the seed mod 2^64, as two's complement
-    step: torch.Tensor  # [S] int64: tokens the row has generated so far
+    noise_key: torch.Tensor  # [S] int64: row_noise_key(seed, step), step = tokens the row has generated
     presence: torch.Tensor  # [B] fp32 (read only with output_ids: empty when no row is penalised)
     frequency: torch.Tensor  # [B] fp32
     output_ids: torch.Tensor | None  # [B, L] int64, -1 padded, only penalised rows filled; None: none is
@@ -116,7 +120,7 @@ class SamplingBatch:
             # none is sent (on CUDA the pinned copy and its views cost ~50 us of host time a step,
             # 7% of a default-model step at bs=1)
             no_floats, no_ints = _empty(torch.device(device))
-            return cls(no_ints, no_floats, no_ints, no_floats, no_ints, no_ints, no_floats, no_floats, None,
+            return cls(no_ints, no_floats, no_ints, no_floats, no_ints, no_floats, no_floats, None,
                        tuple(row.params.logprobs for row in rows), False, False)
         biases = [_biases(row) for row in rows] if biased else []
         bias_width = max(map(len, biases), default=0)
@@ -129,15 +133,15 @@ class SamplingBatch:
                   [v for b in biases for v in chain((v for _, v in b), repeat(0.0, bias_width - len(b)))],
                   [row.params.repetition_penalty for row in rows] if seen_width else [],
                   [log(p.min_p) if p.min_p > 0 else -inf for p in params] if any_min_p else []]
-        ints = [sampled, [p.top_k for p in params], [_as_int64(rows[i].seed) for i in sampled],
-                [len(rows[i].output_ids) for i in sampled], _padded(penalised, width),
+        ints = [sampled, [p.top_k for p in params],
+                [row_noise_key(rows[i].seed, len(rows[i].output_ids)) for i in sampled], _padded(penalised, width),
                 _padded([[t for t, _ in b] for b in biases], bias_width) if bias_width else [],
                 _padded(seen, seen_width) if seen_width else []]
         (temperature, top_p, presence, frequency, bias, repetition, log_min_p), \
-            (sampled_rows, top_k, seed, step, flat_ids, bias_ids, seen_ids) = \
+            (sampled_rows, top_k, noise_key, flat_ids, bias_ids, seen_ids) = \
             _upload(floats, ints, torch.device(device))
         size = len(rows)
-        return cls(sampled_rows, temperature, top_k, top_p, seed, step, presence, frequency,
+        return cls(sampled_rows, temperature, top_k, top_p, noise_key, presence, frequency,
                    flat_ids.view(size, width) if width else None,
                    tuple(row.params.logprobs for row in rows),
                    any(p.top_k > 0 for p in params), any(p.top_p < 1.0 for p in params),
@@ -245,22 +249,35 @@ def ranked_top_logprobs(logp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch
     return logp.gather(1, ids), ids
 
 
-def noise_bits(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A 32-bit hash of (seed, step, token id) for every token: [S] int64, [S] int64 -> [S, V] int64.
+def row_noise_key(seed: int, step: int) -> int:
+    """The row's part of the noise hash: _mix32 chained over the seed's low and high 32 bits (the
+    seed taken mod 2^64) and the step. Plain integers: the same bits the tensor ops would give."""
+    seed &= _MASK64
+    key = _mix32((seed & _MASK32) ^ _TOKEN_SALT)
+    key = _mix32(key ^ (seed >> 32))
+    return _mix32(key ^ (step & _MASK32))
+
+
+def noise_bits(noise_key: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A 32-bit hash of (row key, token id) for every token: [S] int64 -> [S, V] int64.
 
     Values lie in [0, 2^32); integer ops only, so every device gives the same bits."""
-    key = _mix32((seed & _MASK32) ^ _TOKEN_SALT)  # [S]
-    key = _mix32(key ^ ((seed >> 32) & _MASK32))
-    key = _mix32(key ^ (step & _MASK32))
-    tokens = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=seed.device) ^ _TOKEN_SALT)  # [V]
     # = _mix32(key[:, None] ^ tokens[None, :]): its first xor-shift distributes over the xor, so it
-    # runs on the [S] and [V] vectors instead of the [S, V] product
-    return _mix32_rest(_xorshift(key, 15)[:, None] ^ _xorshift(tokens, 15)[None, :])  # [S, V]
+    # runs on the [S] vector and the cached [V] one instead of the [S, V] product
+    tokens = _shifted_token_hashes(vocab_size, noise_key.device)  # [V]
+    return _mix32_rest(_xorshift(noise_key, 15)[:, None] ^ tokens[None, :])  # [S, V]
 
 
-def exponential_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+@cache
+def _shifted_token_hashes(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """xorshift(_mix32(v ^ salt), 15) for every token id v: [V] int64, made once per vocabulary and device."""
+    tokens = _mix32(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _TOKEN_SALT)
+    return _xorshift(tokens, 15)
+
+
+def exponential_noise(noise_key: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) draws E = -log(u), u = (bits + 1/2) / 2^32 strictly inside (0, 1). [S] -> [S, V] fp32."""
-    u = noise_bits(seed, step, vocab_size).double().add_(0.5).mul_(2.0**-32)  # [S, V]
+    u = noise_bits(noise_key, vocab_size).double().add_(0.5).mul_(2.0**-32)  # [S, V]
     return u.log_().neg_().float()
 
 
@@ -274,7 +291,7 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = _truncated_probs(scaled, batch)
     else:
         probs = torch.softmax(scaled, dim=-1)  # [S, V]
-    return (probs / exponential_noise(batch.seed, batch.step, logits.shape[-1])).argmax(-1)  # [S]
+    return (probs / exponential_noise(batch.noise_key, logits.shape[-1])).argmax(-1)  # [S]
 
 
 def _truncated_probs(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -325,24 +342,26 @@ def _apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, pena
     return torch.where(logits > 0, logits / scale, logits * scale)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit hash (Wellons' prospector32) of int64 tensors holding values in [0, 2^32).
+def _mix32(x: Int) -> Int:
+    """A bijective 32-bit hash (Wellons' prospector32) of values in [0, 2^32): int64 tensors, or ints.
 
     Both multipliers are below 2^31, so x * m < 2^63: int64 never overflows and masking to 32
-    bits after each multiply leaves exactly the 32-bit product, on every device."""
+    bits after each multiply leaves exactly the 32-bit product, on every device and on the host."""
     return _mix32_rest(_xorshift(x, 15))
 
 
-def _mix32_rest(x: torch.Tensor) -> torch.Tensor:
-    """_mix32 after its first xor-shift, in place on x (an [S, V] int64 is large)."""
-    x.mul_(0x2C1B3C6D).bitwise_and_(_MASK32)
+def _mix32_rest(x: Int) -> Int:
+    """_mix32 after its first xor-shift; in place on a tensor (an [S, V] int64 is large)."""
+    x *= 0x2C1B3C6D
+    x &= _MASK32
     x ^= x >> 12
-    x.mul_(0x297A2D39).bitwise_and_(_MASK32)
+    x *= 0x297A2D39
+    x &= _MASK32
     x ^= x >> 15
     return x
 
 
-def _xorshift(x: torch.Tensor, shift: int) -> torch.Tensor:
+def _xorshift(x: Int, shift: int) -> Int:
     return x ^ (x >> shift)
 
 
@@ -360,11 +379,6 @@ def _biases(row: SamplingRow) -> list[tuple[int, float]]:
 def _empty(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-length fp32 and int64 tensors on device: the fields of a batch that sends nothing."""
     return torch.empty(0, device=device), torch.empty(0, dtype=torch.int64, device=device)
-
-
-def _as_int64(seed: int) -> int:
-    seed &= _MASK64
-    return seed - 2**64 if seed >= 2**63 else seed
 
 
 def _padded(id_lists: list[Sequence[int]], width: int) -> array:

@@ -17,7 +17,8 @@ import torch
 
 from moe_serve.engine.decode import choose_token
 from moe_serve.engine.messages import SamplingParams, TokenLogprob
-from moe_serve.engine.sampler import SamplingBatch, SamplingRow, TokenMask, exponential_noise, noise_bits, sample
+from moe_serve.engine.sampler import (SamplingBatch, SamplingRow, TokenMask, exponential_noise, noise_bits, row_noise_key,
+                                      sample)
 from moe_serve.engine.sampling import (apply_penalties, draft_verify_honours, forbid_stop_tokens, target_distribution,
                              token_logprob)
 from moe_serve.engine.sequence import Sequence
@@ -118,12 +119,11 @@ def test_sampling_is_deterministic_and_the_draw_moves_with_seed_and_step() -> No
     first, second = run(logits, rows), run(logits, rows)
     assert first == second
     assert len(set(first[0])) > VOCAB // 2
-    seed, step = torch.tensor([5, 5, 5 + 2**32, -5]), torch.tensor([0, 1, 0, 0])
-    bits = noise_bits(seed, step, VOCAB)  # [4, V]
-    assert torch.equal(bits, noise_bits(seed, step, VOCAB))
+    keys = torch.tensor([row_noise_key(seed, step) for seed, step in ((5, 0), (5, 1), (5 + 2**32, 0), (-5, 0))])
+    bits = noise_bits(keys, VOCAB)  # [4, V]
+    assert torch.equal(bits, noise_bits(keys, VOCAB))
     assert all(not torch.equal(bits[0], bits[i]) for i in (1, 2, 3))  # step, high seed bits, sign
-    assert torch.equal(noise_bits(torch.tensor([-1]), torch.tensor([3]), VOCAB),
-                       noise_bits(torch.tensor([2**63 - 1]) * 2 + 1, torch.tensor([3]), VOCAB))
+    assert row_noise_key(-1, 3) == row_noise_key(2**64 - 1, 3)  # the seed is taken mod 2^64
 
 
 def reference_bits(seed: int, step: int, token: int) -> int:
@@ -141,13 +141,12 @@ def reference_bits(seed: int, step: int, token: int) -> int:
 
 def test_noise_bits_match_their_scalar_definition() -> None:
     cases = [(0, 0), (1, 0), (-1, 7), (2**63 - 1, 4095), (-2**63, 1), (123456789123, 99)]
-    bits = noise_bits(torch.tensor([seed for seed, _ in cases]), torch.tensor([step for _, step in cases]), VOCAB)
+    bits = noise_bits(torch.tensor([row_noise_key(seed, step) for seed, step in cases]), VOCAB)
     assert bits.tolist() == [[reference_bits(seed, step, v) for v in range(VOCAB)] for seed, step in cases]
 
 
 def test_noise_is_exp1_strictly_inside_its_range() -> None:
-    seeds = torch.arange(2000)
-    noise = exponential_noise(seeds, seeds * 7, 500)  # [S, V]
+    noise = exponential_noise(torch.tensor([row_noise_key(seed, 7 * seed) for seed in range(2000)]), 500)  # [S, V]
     assert torch.isfinite(noise).all() and (noise > 0).all()
     assert abs(float(noise.mean()) - 1.0) < 0.01 and abs(float(noise.var()) - 1.0) < 0.02
     # extremes of the bits: u = 2^-33 and 1 - 2^-33 still give finite, positive E
@@ -158,11 +157,12 @@ def test_noise_is_exp1_strictly_inside_its_range() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cpu_and_cuda_draw_the_same() -> None:
     cuda = torch.device("cuda")
-    seed, step = torch.randint(-2**63, 2**63 - 1, (512,)), torch.randint(0, 10_000, (512,))
-    bits = noise_bits(seed, step, 4096)
-    assert torch.equal(bits, noise_bits(seed.to(cuda), step.to(cuda), 4096).cpu())
-    noise = exponential_noise(seed, step, 4096)
-    torch.testing.assert_close(exponential_noise(seed.to(cuda), step.to(cuda), 4096).cpu(), noise,
+    rng = random.Random(6)
+    keys = torch.tensor([row_noise_key(rng.randrange(2**64), rng.randrange(10_000)) for _ in range(512)])
+    bits = noise_bits(keys, 4096)
+    assert torch.equal(bits, noise_bits(keys.to(cuda), 4096).cpu())
+    noise = exponential_noise(keys, 4096)
+    torch.testing.assert_close(exponential_noise(keys.to(cuda), 4096).cpu(), noise,
                                rtol=2.0**-23, atol=0.0)  # at most an ulp apart (the log), bit-equal in practice
     rng = random.Random(4)
     rows = [random_row(rng, vocab=4096) for _ in range(256)]
