@@ -20,7 +20,7 @@ so the engine runs at a GPU's pace (H100: 32 sequences per ~1.3 ms step) and onl
 path limits the rate. Its tokens are not a model's; the text is not checked here (the tests do).
 
 Per round: C closed-loop clients each stream R chat completions of T tokens (greedy, ignore_eos,
-so every round does the same work; logprobs on, as loadtest/run.py asks), over raw httpx with as little parsing as possible. Reported:
+so every round does the same work; logprobs with 5 alternatives, as loadtest/run.py asks), over raw httpx with as little parsing as possible. Reported:
 output tok/s (usage tokens / wall time), CPU seconds per token of the server process (event loop
 + supervisor thread, not its children) and of the engine process, SSE events per token (1 when
 every token is its own chunk), TPOT p50. The summary gives each tree's median and range and the
@@ -69,7 +69,9 @@ def _patch(core):
             if not chunk.samples:
                 continue
             token = 40 + len(seq.output_ids) % 50  # printable characters of the tiny tokenizer
-            logprob = TokenLogprob(token, -0.5) if seq.params.logprobs is not None else None
+            # with as many alternatives as asked for (top_logprobs), as the real sampler gives
+            top = tuple((40 + (token + k) % 50, -1.0 - k) for k in range(seq.params.logprobs or 0))
+            logprob = TokenLogprob(token, -0.5, top) if seq.params.logprobs is not None else None
             if seq.append(token, logprob, self.runtime.max_model_len):
                 self.scheduler.finish(seq)
             outputs.append(self._output(seq))
@@ -183,7 +185,7 @@ def start_server(tree: Path, model: Path, server_args: list[str], clients: int, 
 
 async def stream_one(http: httpx.AsyncClient, server: Server, model: str, max_tokens: int, n: int, rnd: Round) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": f"request {n}: say something"}],
-            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": True, "stream": True,
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 5, "stream": True,
             "stream_options": {"include_usage": True}}
     first = last = None
     tokens = 0

@@ -31,6 +31,7 @@ class Tokenizer:
         if chat_template is not None:
             self.hf.chat_template = chat_template
         self.eos_token_ids = _eos_token_ids(self.hf, Path(model_dir))
+        self._token_texts: dict[int, str] = {}  # token_text's answers: at most one per vocabulary entry
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
         # names apply_chat_template and the template's render already use: not for chat_template_kwargs
         self._template_names = (set(inspect.signature(self.hf.apply_chat_template).parameters)
@@ -66,8 +67,16 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
     def token_text(self, token_id: int) -> str:
-        """One token on its own, as logprobs show it (bytes of a split character become U+FFFD)."""
-        return self.hf.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        """One token on its own, as logprobs show it (bytes of a split character become U+FFFD).
+
+        Kept once computed: with top_logprobs=5 every generated token asks for six, the same few
+        thousand over and over, and each decode through transformers costs several microseconds of
+        the event loop that every stream shares."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.hf.decode([token_id], skip_special_tokens=False,
+                                                                 clean_up_tokenization_spaces=False)
+        return text
 
 
 def _eos_token_ids(hf, model_dir: Path) -> tuple[int, ...]:
