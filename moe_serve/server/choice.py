@@ -47,7 +47,8 @@ class ChoiceDecoder:
         self.completion_tokens = 0
         self.finish_reason: str | None = None  # the engine's (or "stop" for a stop string), never "tool_calls"
         skip_special_tokens = text.skip_special_tokens and not (tool_calls and tool_calls.keeps_special_tokens)
-        self._detok = IncrementalDetokenizer(partial(tokenizer.decode, skip_special_tokens=skip_special_tokens))
+        self._detok = IncrementalDetokenizer(partial(tokenizer.decode, skip_special_tokens=skip_special_tokens),
+                                             tokenizer.backend, skip_special_tokens)
         self._tool_calls = tool_calls
         self._reasoning = reasoning
         self._stops = StopMatcher(text.stops, text.include_stop_str_in_output)

@@ -66,6 +66,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
 
+    @property
+    def backend(self):
+        """The Rust tokenizer behind a fast tokenizer (incremental decoding runs in it), else None."""
+        return getattr(self.hf, "backend_tokenizer", None)
+
     def token_text(self, token_id: int) -> str:
         """One token on its own, as logprobs show it (bytes of a split character become U+FFFD).
 
