@@ -2,8 +2,9 @@
 
 A decode step of a small-active-parameter MoE is hundreds of tiny kernels; launching them from
 Python costs more than running them. Each (attention span bucket, top-r, tokens, attention hook)
-of one sequence, and each (batch bucket, span bucket) of a batched decode step, gets its own
-capture; spans longer than MAX_TOKENS (prefills) and steps with prefill chunks run eagerly.
+of one sequence, and each (token bucket, sequence bucket, span bucket) of a batched step (decodes,
+with short prefill chunks beside them), gets its own capture; one sequence's spans longer than
+MAX_TOKENS and batched steps with long prefill chunks run eagerly.
 
 * Every expert resident (or a dense model): the forward has no host decision left, so it is one graph.
 * Experts offloaded: which experts to copy depends on the routing, which only the host's cache
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from moe_serve.engine.experts.runner import CachedExpertRunner, CapturedLayer
+from moe_serve.engine.kv.paged_attention import PREFILL_RUN_MIN_QUERIES
 from moe_serve.engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.models.blocks import AttentionHook
@@ -190,48 +192,62 @@ class GraphedDecode:
         return logits
 
 
-BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def batch_bucket(size: int) -> int | None:
-    """Smallest captured batch size holding `size` sequences (None: too many, run eagerly)."""
+    """Smallest captured size holding `size` sequences or tokens (None: too many, run eagerly)."""
     return next((b for b in BATCH_BUCKETS if b >= size), None)
 
 
-class GraphedBatchDecode:
-    """Decode steps of B sequences (one token each) over the paged KV cache, padded to a batch bucket.
+class GraphedBatchStep:
+    """Steps over the paged KV cache replayed as CUDA graphs: S sequences' chunks, T tokens in all,
+    padded to a (token bucket, sequence bucket) shape. A decode step feeds one token per sequence;
+    a mixed one also short prefill chunks of newly arrived prompts, which would otherwise run
+    eagerly at several times a decode step's cost on a host-bound model (hundreds of launches):
+    with many clients a new prompt arrives every few steps.
 
-    Padding rows repeat row 0 (its token, position, KV slot and sequence): they write the same key
-    and value to the same slot, route to the same experts (no extra copies) and are dropped."""
+    What a capture cannot hold runs eagerly: a chunk of PREFILL_RUN_MIN_QUERIES tokens or more
+    (attended per sequence by SDPA, chosen on the host), more tokens or sequences than the largest
+    bucket, and steps that score prompt tokens. Padding tokens repeat token 0 (its id, position,
+    KV slot and sequence): they write the same key and value to the same slot, route to the same
+    experts (no extra copies) and are never read. The logits come out for the rows the sampler
+    needs only (padded with row 0's), so a mixed step's prefill tokens never reach the LM head."""
 
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, runner: CachedExpertRunner | None,
-                 max_num_seqs: int, max_blocks: int) -> None:
+                 max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> None:
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
         self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
-        self.capture = GraphCapture(model, runner, self.max_batch * (4 + max_blocks))
+        self.max_tokens = batch_bucket(max_num_batched_tokens) or BATCH_BUCKETS[-1]
+        self.capture = GraphCapture(model, runner, 4 * self.max_tokens + self.max_batch * (1 + max_blocks))
 
-    def accepts(self, batch: int) -> bool:
-        bucket = batch_bucket(batch)
-        return bucket is not None and bucket <= self.max_batch and self.capture.accepts(bucket)
+    def accepts(self, chunk_lengths: list[int]) -> bool:
+        """Whether a step of chunks of these lengths replays a graph."""
+        tokens, batch = batch_bucket(sum(chunk_lengths)), batch_bucket(len(chunk_lengths))
+        return (tokens is not None and tokens <= self.max_tokens and batch <= self.max_batch
+                and max(chunk_lengths) < PREFILL_RUN_MIN_QUERIES and self.capture.accepts(tokens))
 
-    def forward(self, ids: list[int], layout: StepLayout, max_model_len: int) -> torch.Tensor:
-        """Logits [B, V] of one decode token per sequence."""
-        b, bp, w = len(ids), batch_bucket(len(ids)), self.max_blocks
-        pad = bp - b
+    def forward(self, ids: list[int], layout: StepLayout, rows: list[int], max_model_len: int) -> torch.Tensor:
+        """Logits [R, V] of the step's flat token rows `rows` (at most one per sequence)."""
+        t, s, w = len(ids), len(layout.tables), self.max_blocks
+        tp, sp = batch_bucket(t), batch_bucket(s)
+        pad = tp - t
         staged = self.capture.stage()
-        staged[0:bp] = ids + ids[:1] * pad
-        staged[bp : 2 * bp] = layout.positions + layout.positions[:1] * pad
-        staged[2 * bp : 3 * bp] = layout.slots + layout.slots[:1] * pad
-        staged[3 * bp : 4 * bp] = layout.query_seq + [0] * pad
-        tables = staged[4 * bp : 4 * bp + bp * w].reshape(bp, w)
+        staged[0:tp] = ids + ids[:1] * pad
+        staged[tp : 2 * tp] = layout.positions + layout.positions[:1] * pad
+        staged[2 * tp : 3 * tp] = layout.slots + layout.slots[:1] * pad
+        staged[3 * tp : 4 * tp] = layout.query_seq + [0] * pad
+        staged[4 * tp : 4 * tp + sp] = rows + [0] * (sp - len(rows))
+        tables = staged[4 * tp + sp : 4 * tp + sp + sp * w].reshape(sp, w)
         tables[:] = 0
         for row, table in enumerate(layout.tables):
             tables[row, : len(table)] = table
         span = span_bucket(layout.max_span, max_model_len)
 
         def forward_static(inputs: torch.Tensor) -> torch.Tensor:
-            ids_, positions, slots, query_seq = inputs[: 4 * bp].view(4, bp)
-            step = PagedStep(self.cache, positions, slots, query_seq, inputs[4 * bp :].view(bp, w), span)
-            return self.model.forward_batch(ids_, step, None, None)  # [bp, V]
+            ids_, positions, slots, query_seq = inputs[: 4 * tp].view(4, tp)
+            logit_rows = inputs[4 * tp : 4 * tp + sp]
+            step = PagedStep(self.cache, positions, slots, query_seq, inputs[4 * tp + sp :].view(sp, w), span)
+            return self.model.forward_batch(ids_, step, None, logit_rows)  # [sp, V]
 
-        return self.capture.run((bp, span), 4 * bp + bp * w, b, None, forward_static)[:b]
+        return self.capture.run((tp, sp, span), 4 * tp + sp + sp * w, t, None, forward_static)[: len(rows)]

@@ -13,7 +13,7 @@ from itertools import accumulate
 
 import torch
 
-from moe_serve.engine.graphs import GraphedBatchDecode
+from moe_serve.engine.graphs import GraphedBatchStep
 from moe_serve.engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
 from moe_serve.engine.messages import TokenLogprob
 from moe_serve.engine.models.blocks import CausalLM
@@ -38,11 +38,11 @@ class ChunkResult:
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: PagedKVCache, max_model_len: int,
                  on_forward: Callable[[Sequence[int]], None] | None = None,
-                 graphs: GraphedBatchDecode | None = None) -> None:
+                 graphs: GraphedBatchStep | None = None) -> None:
         self.model, self.cache, self.max_model_len = model, cache, max_model_len
         self.device = model.device
         self.on_forward = on_forward  # told the positions of each forward's tokens (routing traces)
-        self.graphs = graphs  # decode-only steps replay CUDA graphs when set
+        self.graphs = graphs  # steps of decodes and short prefill chunks replay CUDA graphs when set
         self.masks = MaskFiller()  # the grammar masks, filled while the device runs each forward (engine/structured.py)
 
     def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
@@ -64,10 +64,11 @@ class ModelRunner:
             self.on_forward(layout.positions)
         offsets = list(accumulate((c.num_tokens for c in chunks), initial=0))  # [C + 1] each chunk's first row
         score_rows = [offsets[i] + p - c.start for i, c in enumerate(chunks) for p in scored[i]]
-        if (self.graphs is not None and len(sampling) == len(ids) and not score_rows
-                and self.graphs.accepts(len(ids))):
-            return self.graphs.forward(ids, layout, self.max_model_len)  # [S, V]: decodes only
-        return self._forward_eagerly(chunks, ids, layout, [offsets[i + 1] - 1 for i in sampling] + score_rows)
+        rows = [offsets[i + 1] - 1 for i in sampling] + score_rows
+        if (self.graphs is not None and sampling and not score_rows
+                and self.graphs.accepts([c.num_tokens for c in chunks])):
+            return self.graphs.forward(ids, layout, rows, self.max_model_len)  # [S, V]
+        return self._forward_eagerly(chunks, ids, layout, rows)
 
     def _sample(self, chunks: list[ScheduledChunk], sampling: list[int], logits: torch.Tensor,
                 masks: PendingMasks | None) -> dict[int, Sampled]:

@@ -15,7 +15,7 @@ from moe_serve.engine.config import EngineConfig, resolve_max_model_len
 from moe_serve.engine.decode import BoundModel, Decoder
 from moe_serve.engine.experts.runner import CachedExpertRunner
 from moe_serve.engine.experts.stats import LayerStats, StatsSnapshot
-from moe_serve.engine.graphs import GraphedBatchDecode, GraphedDecode
+from moe_serve.engine.graphs import GraphedBatchStep, GraphedDecode
 from moe_serve.engine.kv.block_manager import blocks_for
 from moe_serve.engine.kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from moe_serve.engine.kv_cache import KVCache
@@ -227,8 +227,8 @@ def build_runtime(config: EngineConfig) -> Runtime:
                                    dtype=dtype)
     batch_graphs = None
     if _graphable(config, loaded.model, paged.keys, runner):
-        batch_graphs = GraphedBatchDecode(loaded.model, paged, runner, config.max_num_seqs,
-                                          blocks_for(max_len, KV_BLOCK_SIZE))
+        batch_graphs = GraphedBatchStep(loaded.model, paged, runner, config.max_num_seqs,
+                                        config.max_num_batched_tokens, blocks_for(max_len, KV_BLOCK_SIZE))
     batch_runner = ModelRunner(loaded.model, paged, max_len, on_forward=recorder.begin_forward if recorder else None,
                                graphs=batch_graphs)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),
