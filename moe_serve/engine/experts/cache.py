@@ -269,6 +269,22 @@ class ExpertCache:
             raise
         return wave
 
+    @property
+    def kept(self) -> int:
+        """Experts a streamed span keeps (SlotTable.keep), resident or being copied."""
+        return self._table.kept
+
+    def keep(self, layer: int, experts: Sequence[int]) -> None:
+        """Keep `layer`'s `experts` resident, in place of the ones it kept: they are never evicted
+        until `keep_nothing` (a streamed span's residents, streaming.py)."""
+        self._table.keep(layer, [(layer, e) for e in experts])
+
+    def keep_nothing(self) -> None:
+        self._table.keep_nothing()
+
+    def is_kept(self, layer: int, expert: int) -> bool:
+        return self._table.is_kept((layer, expert))
+
     def missing(self, layer: int, experts: Sequence[int]) -> list[int]:
         """The `experts` of `layer` that are not resident (nor being copied) right now."""
         return [e for e in experts if (layer, e) not in self._table]
@@ -290,16 +306,23 @@ class ExpertCache:
             if marker is not None:
                 self._released[self._table.slot_of(key)] = marker
 
-    def prefetch(self, keys: Sequence[Key]) -> None:
+    def prefetch(self, keys: Sequence[Key], *, within_room: bool = False) -> None:
         """Start copying the non-resident (layer, expert) `keys` ahead of need, in order, on the
         prefetch stream; the resident ones are kept for that need (SlotTable.expect). One call
-        for many layers costs one placement: per call the host work was ~40-90 us."""
+        for many layers costs one placement: per call the host work was ~40-90 us.
+
+        `within_room`: only as many as SlotTable.room allows now; the others are neither copied nor
+        counted as dropped (a streamed layer's tail asks again as each of its waves frees slots)."""
         self._table.expect(keys)
         wanted = [key for key in keys if key not in self._table]
         if not wanted:  # all resident or in flight: the common case while drafting, kept cheap
             return
-        if self._table.free_slots < len(wanted):  # landed copies become evictable (an event query each)
+        if within_room or self._table.free_slots < len(wanted):  # landed copies become evictable (an event query each)
             self._refresh_in_flight()
+        if within_room:
+            wanted = wanted[: self._table.room()]
+            if not wanted:
+                return
         placement = self._table.place(wanted, pin=False, prefetched=True)
         work = self._start_copies(placement.placed, demand_layer=None)
         self.stats.add_prefetch(placement, self.layout.nbytes)

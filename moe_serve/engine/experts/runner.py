@@ -6,14 +6,17 @@ the MRS scores and the guess back in ONE host sync. Misses that the cost model g
 computed: one token by one gathered batched matmul after its copies landed, more tokens grouped
 by expert while the copies fly. Then the guess is prefetched and the CPU's sum added. If the
 layer needs more experts than the cache can hold at once (a long verify pass, a tiny budget) it
-runs in waves: fill, compute, unpin, refill. A span of many tokens streams (streaming.py): its
-guess is the next layer's whole ranking, so the next layer's copies fly while this one finishes,
-and its waves are double-buffered. Neither caching, streaming nor the CPU changes the math.
+runs in waves: fill, compute, unpin, refill. A span of many tokens streams (streaming.py): it
+keeps a share of the cache resident from one streamed step to the next and streams the other
+experts through the rest in double-buffered waves, its kept experts first; its guess is the next
+layer's whole ranking, copied into the slots its last waves free, so the next layer's copies fly
+while this one finishes. Neither caching, streaming nor the CPU changes the math.
 
 A short span (a decode token, a draft, a verify pass) replayed as piecewise CUDA graphs
 (moe_serve/engine/graphs.py) does the same host work between two graphs: `capturing` splits the capture at
 each layer's expert call, `replay_layer` reads the routing, makes the layer's experts resident in
-one wave and writes their slots for the next graph. A self-draft (LayerRouting.candidates) runs
+one wave and writes their slots for the next graph; a span that needs every expert of the model
+streams eagerly instead (can_replay). A self-draft (LayerRouting.candidates) runs
 the resident experts of its top-k first. `recording` collects the experts each layer ran (the
 verify pass's, which speculative decoding scores its expert predictions against).
 """
@@ -42,7 +45,14 @@ from moe_serve.engine.experts.policies import MRSPolicy, make_policy
 from moe_serve.engine.experts.predictor import Guess, NextLayerPredictor, token_topk
 from moe_serve.engine.experts.routing import LayerRouting, resident_first
 from moe_serve.engine.experts.stats import StatsSnapshot
-from moe_serve.engine.experts.streaming import layer_waves, stream_guess, streams
+from moe_serve.engine.experts.streaming import (
+    MIN_WAVE_BYTES,
+    StreamSlots,
+    layer_waves,
+    saturates,
+    stream_guess,
+    streams,
+)
 
 PREFETCH_MODES = ("none", "next-layer")
 
@@ -120,11 +130,14 @@ class CachedExpertRunner:
                  device: torch.device | str = "cpu", *, top_k: int, prefetch: str = "none",
                  prefetch_depth: int = 1, copy_fn: CopyFn = copy_row,
                  observer: RoutingObserver | None = None, cpu_experts: str = "off",
-                 cpu_costs: ExpertCosts | None = None, stream_prefill: bool = True) -> None:
+                 cpu_costs: ExpertCosts | None = None, stream_prefill: bool = True,
+                 min_wave_bytes: int = MIN_WAVE_BYTES) -> None:
         """`budget`: bytes (int), fraction of all expert bytes (float) or None for all experts.
         `cpu_costs` replaces the start-up profile of cpu_experts='auto' (tests). `stream_prefill`:
-        long spans (streaming.streams) prefetch the next layer's whole guess and run layers that
-        overflow the cache in double-buffered waves; off only for A/B timings."""
+        long spans (streaming.streams) keep experts resident across steps, stream the others in
+        double-buffered waves and prefetch the next layer's whole guess; off only for A/B timings.
+        `min_wave_bytes`: the least a streamed wave copies (streaming.MIN_WAVE_BYTES; tests lower it
+        to stream a small store the way the GPU streams large experts)."""
         if prefetch not in PREFETCH_MODES:
             raise ValueError(f"unknown prefetch mode {prefetch!r}; choose one of {', '.join(PREFETCH_MODES)}")
         if cpu_experts not in CPU_EXPERT_MODES:
@@ -136,6 +149,8 @@ class CachedExpertRunner:
         eviction = make_policy(policy, top_k, store.num_layers, store.num_experts)
         self._mrs_top_p = eviction.top_p if isinstance(eviction, MRSPolicy) else None
         self.cache = ExpertCache(store, budget, eviction, device, top_k, copy_fn)
+        self._num_layers = store.num_layers
+        self._stream_slots = StreamSlots.of(self.cache.capacity, self.layout.nbytes, store.num_layers, min_wave_bytes)
         self.prefetch_mode = prefetch
         self.stream_prefill = stream_prefill
         self._observer = observer
@@ -173,6 +188,8 @@ class CachedExpertRunner:
         layer = routing.layer
         self.cache.begin_run(layer)
         streamed = self.stream_prefill and streams(x.shape[0], self.top_k, self._num_experts)
+        if not streamed:
+            self.cache.keep_nothing()  # the streamed spans' kept experts: a shorter span may need any slot
         guess = self._guess(layer, x, streamed)
         read = self._read_back(routing, guess)
         back = self._draft_choice(layer, read)
@@ -184,13 +201,17 @@ class CachedExpertRunner:
             self._observer.on_layer(routing, self._next_guess(layer, x, guess))
         job = self._start_cpu(x, routing, back) if self._cpu is not None else None
         on_gpu = back.experts if job is None else [e for e in back.experts if e not in job.experts]
-        out = self._run_on_gpu(x, routing, back.ids, on_gpu, double_buffer=streamed)
-        # after this layer's compute is queued and its experts released, so the GPU works meanwhile
-        if streamed and guess is not None:
-            self.cache.prefetch([(layer + 1, e) for e in back.ranked[0] if e >= 0])
-        elif guess is not None:
+        tail = self._prefetch_next(layer, back.ranked[0]) if streamed and guess is not None else None
+        out = self._run_on_gpu(x, routing, back.ids, on_gpu, streamed=streamed, tail=tail)
+        if guess is not None and not streamed:  # after this layer's compute is queued: the GPU works meanwhile
             self.cache.prefetch(self._predictor.remember(guess, back.ranked))
         return out if job is None else self._cpu.finish(job, out)
+
+    def _prefetch_next(self, layer: int, ranked: list[int]) -> Callable[[], None]:
+        """A streamed layer's tail (streaming.layer_waves): the next layer's guessed experts, most
+        routed first, into whatever room the waves it released leave; never a kept expert's slot."""
+        keys = [(layer + 1, e) for e in ranked if e >= 0]
+        return lambda: self.cache.prefetch(keys, within_room=True)
 
     def _guess(self, layer: int, x: torch.Tensor, streamed: bool) -> Guess | None:
         """Launched before the layer's one sync, read back with it. A streamed span guesses the next
@@ -231,8 +252,23 @@ class CachedExpertRunner:
 
     def can_replay(self, tokens: int) -> bool:
         """A replayed layer computes all its experts in one wave: the cache must hold the most
-        distinct experts `tokens` tokens can route to."""
+        distinct experts `tokens` tokens can route to.
+
+        A span that needs every expert of the model (streaming.saturates) runs eagerly wherever
+        streaming keeps experts: each replayed layer would pin all E of its experts at once, so at
+        most C - E experts could stay resident across a step (LRU keeps none), while the stream
+        keeps C - 2 waves. At Mixtral size and a 25% budget that is 38 copies a step instead of
+        48: ~70 ms of PCIe saved against an eager step's extra host work (~10 ms, an estimate).
+        Shorter spans (a decode token, a draft, a verify pass of up to 13 tokens at 6 layers x 8
+        experts, top-2) replay."""
+        if self._keeps and saturates(tokens, self.top_k, self._num_experts, self._num_layers):
+            return False
         return min(tokens * self.top_k, self._num_experts) <= self.cache.capacity
+
+    @property
+    def _keeps(self) -> bool:
+        """Whether streamed spans keep experts resident (streaming.StreamSlots)."""
+        return self.stream_prefill and self.cache.resident_slots is None and self._stream_slots.kept > 0
 
     @contextmanager
     def recording(self) -> Iterator[dict[int, set[int]]]:
@@ -276,6 +312,7 @@ class CachedExpertRunner:
         self._release_held()  # the previous layer's compute is enqueued: its slots may go
         layer = captured.layer
         self.cache.begin_run(layer)
+        self.cache.keep_nothing()  # the whole wave must fit: no slot stays a streamed span's
         back = self._unpack(captured.readback.tolist(), layer, captured.tokens, captured.k, captured.num_candidates,
                             captured.guess)
         back = self._draft_choice(layer, back)
@@ -385,12 +422,17 @@ class CachedExpertRunner:
             self.cache.stats.add(routing.layer, misses=len(job.experts), cpu_expert_computations=len(job.experts))
         return job
 
-    def _run_on_gpu(self, x: torch.Tensor, routing: LayerRouting, ids: list[list[int]],
-                    experts: list[int], *, double_buffer: bool) -> torch.Tensor:
-        """The sum over the token's `experts` (the ones not left to the CPU) from the GPU cache. [T, H]"""
+    def _run_on_gpu(self, x: torch.Tensor, routing: LayerRouting, ids: list[list[int]], experts: list[int], *,
+                    streamed: bool, tail: Callable[[], None] | None) -> torch.Tensor:
+        """The sum over the token's `experts` (the ones not left to the CPU) from the GPU cache. [T, H]
+        `tail`: called once nothing of the layer is left to copy (streaming.layer_waves)."""
         if not experts:
+            if tail is not None:
+                tail()
             return torch.zeros_like(x)
-        with closing(layer_waves(self.cache, routing.layer, experts, double_buffer=double_buffer)) as waves:
+        keep = self._stream_slots.quota(routing.layer) if streamed and self._keeps else 0
+        with closing(layer_waves(self.cache, routing.layer, experts, double_buffer=streamed, keep=keep,
+                                 tail=tail)) as waves:
             first = next(waves)
             if x.shape[0] == 1 and len(first.keys) == len(experts):
                 return self._compute_gathered(x, routing, first, ids[0])

@@ -16,10 +16,14 @@ trade one copy the verify pass needs for another. Demand copies take open predic
 nothing else can go (a need is certain, a guess is not; policies that rank by use history would
 otherwise evict a fresh guess first), and once its layer has run without it, it was a wrong
 guess and any copy may.
+
+A streamed span (streaming.py) may keep experts: kept keys are never victims, so they stay
+resident from one streamed run of their layer to the next while the other slots stream. Keeping
+ends when the runner says so (`keep_nothing`), before any run that needs the whole table again.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from moe_serve.engine.experts.policies import EvictionPolicy, Key
@@ -64,6 +68,7 @@ class SlotTable:
         self._unused_prefetch: set[Key] = set()
         self._open_predictions: set[Key] = set()  # predicted, unused, its layer has not run since
         self._evictable: set[Key] = set()  # resident, unpinned, landed: kept up to date, not recomputed
+        self._kept: set[Key] = set()  # never victims: a streamed span's residents (resident or not yet)
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -130,11 +135,30 @@ class SlotTable:
     def evictable(self) -> set[Key]:
         return self._evictable
 
+    @property
+    def kept(self) -> int:
+        """Keys kept, resident or still to be copied: at most this many slots are not streaming."""
+        return len(self._kept)
+
+    def is_kept(self, key: Key) -> bool:
+        return key in self._kept
+
+    def keep(self, layer: int, keys: Collection[Key]) -> None:
+        """`keys` (of `layer`) replace the layer's kept keys; the non-resident ones are protected once placed."""
+        self._kept = {k for k in self._kept if k[0] != layer} | set(keys)
+
+    def keep_nothing(self) -> None:
+        self._kept.clear()
+
+    def room(self) -> int:
+        """Keys a prefetch can place now: free slots and the victims it may take (not kept, not an open prediction)."""
+        return len(self._free) + len(self._victims(prefetched=True))
+
     def can_hold(self, keys: Sequence[Key]) -> bool:
         """Whether plan_wave(keys) would place every missing key (no leftover) right now."""
         wanted = set(keys)
         missing = sum(key not in self._slot for key in wanted)
-        return missing <= len(self._free) + len(self._evictable - wanted)
+        return missing <= len(self._free) + len(self._victims(prefetched=False) - wanted)
 
     def place(self, keys: Sequence[Key], *, pin: bool, prefetched: bool) -> Placement:
         """Give each non-resident key a slot, in order, evicting through the policy as needed."""
@@ -142,9 +166,10 @@ class SlotTable:
             if key in self._slot:
                 raise ValueError(f"{key} is already resident in slot {self._slot[key]}")
         shortfall = len(keys) - len(self._free)
-        victims = self.policy.victims(self._evictable - self._open_predictions, shortfall) if shortfall > 0 else []
+        victims = self.policy.victims(self._victims(prefetched=True), shortfall) if shortfall > 0 else []
         if not prefetched and len(victims) < shortfall:
-            victims += self.policy.victims(self._evictable & self._open_predictions, shortfall - len(victims))
+            victims += self.policy.victims(self._victims(prefetched=False) & self._open_predictions,
+                                           shortfall - len(victims))
         evictions = [self._evict(v) for v in victims]
         n = min(len(keys), len(self._free))
         placed = [(key, self._occupy(key, pin=pin, prefetched=prefetched)) for key in keys[:n]]
@@ -164,6 +189,11 @@ class SlotTable:
             self.use(key)
         in_flight = [k for k in hits if k in self._in_flight]
         return WavePlan(hits=hits, hits_in_flight=in_flight, prefetch_used=prefetch_used, misses=misses)
+
+    def _victims(self, *, prefetched: bool) -> set[Key]:
+        """Evictable keys a placement may take: never kept ones; a prefetch never open predictions."""
+        candidates = self._evictable - self._kept if self._kept else self._evictable
+        return candidates - self._open_predictions if prefetched else candidates
 
     def _mark_if_evictable(self, key: Key) -> None:
         if key in self._slot and key not in self._pins and key not in self._in_flight:

@@ -119,6 +119,20 @@ def test_a_prefetch_without_free_slots_drops_the_rest(store) -> None:
     assert cache.stats.snapshot().per_layer[0].evictions == 2
 
 
+def test_a_prefetch_within_room_takes_no_kept_slot_and_drops_nothing(store) -> None:
+    """A streamed layer's tail fills what its released waves free and asks again after the next."""
+    cache = ExpertCache(store, 3 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2)
+    kept, streamed = cache.acquire(0, [0]), cache.acquire(0, [1, 2])
+    cache.keep(0, [0])
+    cache.release(kept)
+    cache.prefetch([(1, 4), (1, 5)], within_room=True)  # (0, 0) is kept, the others pinned: no room
+    cache.release(streamed)
+    cache.prefetch([(1, 4), (1, 5), (1, 6)], within_room=True)
+    layers = cache.stats.snapshot().per_layer
+    assert (layers[1].prefetch_bytes, layers[1].prefetch_dropped) == (2 * store.layout.nbytes, 0)
+    assert cache.missing(0, [0, 1, 2]) == [1, 2] and cache.missing(1, [4, 5, 6]) == [6]
+
+
 def test_one_prefetch_over_several_layers_books_each_layer(store) -> None:
     cache = ExpertCache(store, 4 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2)
     cache.prefetch([(0, 1), (1, 2), (1, 3)])

@@ -184,3 +184,23 @@ def test_an_expected_resident_expert_is_kept_like_a_prefetched_one() -> None:
     table.complete((0, 4))
     table.plan_wave([(1, 3)])  # layer 1 ran without (1, 1): the prediction is over
     assert (1, 1) not in table
+
+
+def test_kept_keys_are_never_victims_until_keeping_ends() -> None:
+    """A streamed span's kept experts: neither a prefetch nor a demand copy may take their slots,
+    room counts only the others, and a layer's keep replaces only that layer's kept keys."""
+    table = SlotTable(3, LRUPolicy())
+    _resident(table, (0, 0), (1, 0), (0, 1))  # (0, 0) is the least recently used
+    table.keep(0, [(0, 0), (0, 1)])
+    assert table.kept == 2 and table.room() == 1 and not table.can_hold([(2, 0), (2, 1)])
+    placement = table.place([(2, 0), (2, 1)], pin=True, prefetched=False)
+    assert [e.key for e in placement.evictions] == [(1, 0)] and placement.unplaced == [(2, 1)]
+    table.unpin((2, 0))
+    table.complete((2, 0))
+    table.keep(1, [(1, 5)])  # not resident: protected once placed, and no other layer's keys change
+    assert table.kept == 3 and table.is_kept((0, 0)) and table.is_kept((1, 5))
+    table.keep(0, [(0, 1)])  # (0, 0) is no longer kept: the least recently used goes first again
+    assert [e.key for e in table.place([(2, 2)], pin=False, prefetched=False).evictions] == [(0, 0)]
+    table.complete((2, 2))
+    table.keep_nothing()
+    assert table.kept == 0 and table.room() == 3

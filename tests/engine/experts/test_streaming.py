@@ -6,6 +6,9 @@ order on their streams, so "issued before" is what lets a copy fly while compute
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 from runner_harness import drive, router_weights
@@ -15,10 +18,13 @@ from moe_serve.engine.experts.cache import copy_row
 from moe_serve.engine.experts.compute import accumulate_experts
 from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.runner import CachedExpertRunner
-from moe_serve.engine.experts.streaming import streams
+from moe_serve.engine.experts.streaming import saturates, streams
 
 TOP_K = 2
 TOKENS = 16  # T·k = 32 ≥ 2E = 16 for the 8-expert test store: streamed
+# The batch benchmark's model (6 MoE layers x 8 experts, top-2, Mixtral-size experts) at a 25%
+# budget: 12 slots. Its experts stream one a wave; these small ones do too with min_wave_bytes=0.
+BENCH_LAYERS, BENCH_SLOTS, BATCH = 6, 12, 32
 
 
 def _routed_by(weights: torch.Tensor, layer: int, x: torch.Tensor) -> LayerRouting:
@@ -172,3 +178,156 @@ def test_a_failing_compute_releases_every_pinned_wave(store, make_routing, monke
     finally:
         runner.close()
     assert not any(runner.cache._table.is_pinned((0, e)) for e in range(store.num_experts))
+
+
+def test_a_span_saturates_once_fewer_than_one_expert_of_the_model_is_expected_unused() -> None:
+    assert saturates(14, 2, 8, 6) and not saturates(13, 2, 8, 6)  # the benchmark's model
+    assert saturates(52, 8, 64, 16) and not saturates(51, 8, 64, 16)  # OLMoE-like
+
+
+def _bench_runner(store, policy: str = "lru", **kwargs) -> CachedExpertRunner:
+    runner = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+                                min_wave_bytes=0, **kwargs)
+    runner.set_router_weights(router_weights(store))
+    return runner
+
+
+def _saturated_steps(runner, store, make_routing, reference, steps: int) -> list[int]:
+    """Decode steps of BATCH sequences that need every expert of every layer, outputs compared with
+    the all-resident reference (runner_harness.drive); the experts copied (demand or prefetch) per step."""
+    def every_expert(layer: int, tokens: int, num_experts: int, top_k: int, gen: torch.Generator) -> LayerRouting:
+        while True:
+            routing = make_routing(layer, tokens, num_experts, top_k, gen)
+            if routing.expert_ids.unique().numel() == num_experts:
+                return routing
+
+    def copied() -> int:
+        total = runner.stats().total()
+        return (total.demand_bytes + total.prefetch_bytes) // store.layout.nbytes
+
+    per_step = []
+    for step in range(steps):
+        before = copied()
+        drive(runner, store, every_expert, reference, steps=1, tokens=BATCH, top_k=TOP_K, seed=100 + step)
+        per_step.append(copied() - before)
+    return per_step
+
+
+@pytest.mark.parametrize("policy", ["lru", "next-use"])
+def test_saturated_steps_keep_ten_experts_resident_and_copy_the_other_38_once_a_step(
+        make_store, make_routing, reference, policy) -> None:
+    """Issue G's goal 2: at most 40 of the 48 experts copied per saturated step, whatever the policy.
+    Every step needs all 48 and 2 slots stream, so the other 10 stay (Belady's rule on the cycle);
+    streamed without keeping (experts too small to keep any), LRU copies all 48 every step."""
+    store = make_store(num_layers=BENCH_LAYERS)
+    runner = _bench_runner(store, policy)
+    try:
+        per_step = _saturated_steps(runner, store, make_routing, reference, steps=5)
+    finally:
+        runner.close()
+    assert per_step[1:] == [38] * 4  # the first step fills the cache
+    assert runner.cache.kept == BENCH_SLOTS - 2
+    total = runner.stats().total()
+    assert total.prefetch_wasted == 0 and total.prefetch_used == total.prefetch_bytes // store.layout.nbytes
+    assert not any(runner.cache._table.is_pinned((l, e))
+                   for l in range(store.num_layers) for e in range(store.num_experts))
+    if policy == "lru":
+        unkept = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K)
+        unkept.set_router_weights(router_weights(store))
+        try:
+            assert _saturated_steps(unkept, store, make_routing, reference, steps=3)[1:] == [48, 48]
+        finally:
+            unkept.close()
+
+
+def test_a_saturated_step_computes_kept_experts_first_and_always_has_a_copy_in_flight(
+        make_store, make_routing, reference, monkeypatch) -> None:
+    """On the GPU the link idles while a wave computes unless a copy that wave does not wait for
+    was issued before it. Each layer run computes its kept experts first; every wave after them
+    was being copied before the wave before it computed; the next layer's experts are copied
+    before this layer's last wave computes. Only the step's last layer has no next one to copy."""
+    store = make_store(num_layers=BENCH_LAYERS)
+    log = _Log(store, monkeypatch)
+    runner = _bench_runner(store, copy_fn=log.copy)
+    try:
+        logged = SimpleNamespace(run=lambda x, routing: log.run(runner, x, routing), finish_step=runner.finish_step,
+                                 stats=runner.stats)
+        _saturated_steps(logged, store, make_routing, reference, steps=2)
+        log.events.clear()
+        _saturated_steps(logged, store, make_routing, reference, steps=1)
+        kept = {l: {e for e in range(store.num_experts) if runner.cache.is_kept(l, e)} for l in range(store.num_layers)}
+    finally:
+        runner.close()
+    computes = [i for i, e in enumerate(log.events) if e[0] == "compute"]
+    for layer in range(store.num_layers):
+        first = next(i for i in computes if log.events[i][1] == layer)
+        assert log.events[first][2] == kept[layer]
+    in_flight: set[tuple[int, int]] = set()
+    for event in log.events[: computes[-1]]:
+        if event[0] == "copy":
+            in_flight.add(event[1:])
+        elif event[0] == "compute":
+            in_flight -= {(event[1], e) for e in event[2]}
+            assert in_flight, event
+    copies = sum(e[0] == "copy" for e in log.events)
+    assert copies == 38
+
+
+def test_a_span_that_needs_every_expert_streams_instead_of_replaying(make_store) -> None:
+    store = make_store(num_layers=BENCH_LAYERS)
+    runner = _bench_runner(store)
+    small = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    unstreamed = _bench_runner(store, stream_prefill=False)
+    try:
+        assert runner.can_replay(1) and runner.can_replay(13) and not runner.can_replay(14)
+        assert not runner.can_replay(BATCH)
+        assert small.can_replay(BATCH)  # experts this small: the stream keeps none, replays lose nothing
+        assert unstreamed.can_replay(BATCH)
+    finally:
+        for r in (runner, small, unstreamed):
+            r.close()
+
+
+def test_a_short_span_after_saturated_steps_may_take_any_slot(make_store, make_routing, reference) -> None:
+    """A replayed layer must hold all its experts in one wave: nothing stays kept for it."""
+    from moe_serve.engine.experts.compute import gathered_experts
+
+    store = make_store(num_layers=BENCH_LAYERS)
+    runner = _bench_runner(store)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4, store.layout.hidden_size, generator=gen, dtype=torch.float64)  # [T, H]
+    routing = make_routing(0, 4, store.num_experts, TOP_K, gen)
+    try:
+        _saturated_steps(runner, store, make_routing, reference, steps=2)
+        assert runner.cache.kept == BENCH_SLOTS - 2
+        with runner.capturing(lambda: None) as layers:
+            runner.run(x, routing)
+        runner.replay_layer(layers[0])
+        assert runner.cache.kept == 0
+        out = gathered_experts(x, routing.expert_weights, runner.cache.slots, layers[0].index[0], store.layout)
+        runner.finish_replay()
+    finally:
+        runner.close()
+    torch.testing.assert_close(out, reference(store, x, routing), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy", ["lru", "next-use"])
+@pytest.mark.parametrize("prefetch", ["none", "next-layer"])
+def test_decode_and_verify_spans_copy_what_they_copied_without_kept_experts(
+        make_store, make_routing, reference, policy, prefetch) -> None:
+    """Spans too short to stream (one token, a verify pass of 3) never keep: every counter is the
+    same as for a runner whose experts are too small to keep any."""
+    store = make_store(num_layers=BENCH_LAYERS)
+    snapshots = []
+    for min_wave_bytes in (0, 2**40):
+        runner = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+                                    prefetch=prefetch, min_wave_bytes=min_wave_bytes)
+        runner.set_router_weights(router_weights(store))
+        try:
+            for tokens in (1, 3):
+                drive(runner, store, make_routing, reference, steps=4, tokens=tokens, top_k=TOP_K, seed=13)
+        finally:
+            runner.close()
+        snapshots.append([replace(layer, pcie_wait_seconds=0.0) for layer in runner.stats().per_layer])  # a timing
+    assert snapshots[0] == snapshots[1]
+    assert sum(layer.misses for layer in snapshots[0]) > 0
