@@ -4,7 +4,9 @@
     python -m loadtest.run --base-url http://127.0.0.1:8000 --concurrency 64 --duration 600 --server-pid PID
 
 Flow: seeded prompts -> one non-streamed greedy reference per prompt, fetched one at a time ->
-per concurrency level an untimed warm-up, then the timed phase -> one JSON report.
+per concurrency level an untimed warm-up, then the timed phase -> one JSON report. A level's
+clients run in --client-processes processes (default: at most 8 clients each), so that parsing
+the streams does not bound what is measured.
 
 Verification. Every request is greedy, so each streamed answer must equal its prompt's
 reference (text, finish_reason, usage): a mixed-up, truncated or duplicated answer cannot
@@ -26,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import multiprocessing
 import os
+import queue
 import random
 import shlex
 import signal
@@ -36,13 +41,18 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from multiprocessing.process import BaseProcess
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Barrier
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 import httpx
 import openai
@@ -456,16 +466,23 @@ async def clients(target: Target, concurrency: int, timeout: float) -> AsyncIter
 
 async def run_phase(target: Target, prompts: list[Prompt], refs: list[Answer], concurrency: int, mix: Mix,
                     timeout: float, requests: int | None = None, duration: float | None = None,
-                    on_result: Callable[[Result], None] = lambda r: None,
-                    match: Match = "exact") -> tuple[list[Result], float]:
+                    on_result: Callable[[Result], None] = lambda r: None, match: Match = "exact",
+                    share: range | None = None, ready: Callable[[], None] = lambda: None) -> tuple[list[Result], float]:
     """`concurrency` clients each send a request as soon as their previous one ended (after Retry-After
-    on a 429/503) until `requests` were started or `duration` seconds passed. Returns (results, seconds)."""
-    results: list[Result] = []
-    next_j = iter(range(requests if requests is not None else sys.maxsize))
-    started = time.perf_counter()
-    deadline = started + duration if duration is not None else float("inf")
+    on a 429/503) until `requests` were started or `duration` seconds passed. Returns (results, seconds).
 
-    async with clients(target, concurrency, timeout) as (sdk, http):
+    A client process runs only its `share` of the client slots range(concurrency), and the requests
+    request_indices gives that share; `ready` is called once its clients are set up, and returns when
+    they may start (with the other processes')."""
+    share = share if share is not None else range(concurrency)
+    results: list[Result] = []
+    next_j = request_indices(share, concurrency, requests)
+
+    async with clients(target, len(share), timeout) as (sdk, http):
+        ready()
+        started = time.perf_counter()
+        deadline = started + duration if duration is not None else float("inf")
+
         async def client() -> None:
             for j in next_j:
                 if time.perf_counter() >= deadline:
@@ -479,8 +496,136 @@ async def run_phase(target: Target, prompts: list[Prompt], refs: list[Answer], c
                 on_result(result)
                 await asyncio.sleep(result.retry_after)
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-    return results, time.perf_counter() - started
+        await asyncio.gather(*(client() for _ in share))
+        return results, time.perf_counter() - started
+
+
+# ---- client processes: one level's clients spread over several ------------------------------
+
+CLIENTS_PER_PROCESS = 8  # auto: one asyncio process parsing ~4,500 SDK chunks/s (32 clients, H100 host) is saturated
+PROCESS_WAIT_S = 300.0  # how long anyone waits at a start or finish line for the others before it fails
+
+
+def client_process_count(flag: int | Literal["auto"], concurrency: int, cpus: int | None = os.cpu_count()) -> int:
+    """How many processes run a level's clients, never more than the clients. auto: enough that each
+    runs at most CLIENTS_PER_PROCESS, on at most half the host's cores (the rest are the server's)."""
+    if flag == "auto":
+        flag = min(-(-concurrency // CLIENTS_PER_PROCESS), max(1, (cpus or 1) // 2))
+    return min(flag, concurrency)
+
+
+def client_shares(concurrency: int, processes: int) -> list[range]:
+    """The client slots range(concurrency) cut into `processes` runs whose lengths differ by at most 1."""
+    size, longer = divmod(concurrency, processes)
+    bounds = [p * size + min(p, longer) for p in range(processes + 1)]
+    return [range(low, high) for low, high in itertools.pairwise(bounds)]
+
+
+def request_indices(share: range, concurrency: int, requests: int | None) -> Iterator[int]:
+    """The requests j a share of the client slots sends: those with j % concurrency in it. So each run of
+    `concurrency` consecutive requests (those in flight together, with distinct prompts) is split between
+    the shares by their size, and request j gets the same Mix plan in whichever process sends it."""
+    return (j for j in range(requests if requests is not None else sys.maxsize) if j % concurrency in share)
+
+
+Phase = tuple[int | None, float | None]  # (requests, duration) as run_phase takes them
+
+
+class LevelClients:
+    """A level's clients, which run its phases (warm-up, timed) in turn: in this process as run_phase
+    runs them, or spread over spawned processes (no fork of a process with an event loop and threads),
+    each its client_shares share. The same processes run every phase, so the warm-up warms them too
+    (a process's first requests through the SDK cost far more CPU than later ones).
+
+    Before a phase, `at_start_line` returns once every process has its clients set up, so spawning and
+    setting up is not part of it and usage can be sampled just before; `run` releases them together
+    and returns (results, seconds) as run_phase: the results merged, the seconds from the release to
+    the last one's end (each times itself from its release). After the last phase they wait at a
+    finish line until the `with` is left, so usage sampled before that still sees them (their exit,
+    some 0.3 CPU seconds each, is not part of the phase either)."""
+
+    def __init__(self, processes: int, target: Target, prompts: list[Prompt], refs: list[Answer], concurrency: int,
+                 mix: Mix, timeout: float, match: Match, phases: list[Phase]) -> None:
+        self.level = (target, prompts, refs, concurrency, mix, timeout)  # run_phase's first arguments
+        self.match, self.phases = match, iter(phases)
+        self.workers: list[BaseProcess] = []
+        if processes == 1:
+            return
+        context = multiprocessing.get_context("spawn")
+        # ready: all are at a line (a start line, set up; or the finish line); go: released from a start line
+        self.ready, self.go = context.Barrier(processes + 1), context.Barrier(processes + 1)
+        self.outbox: Queue = context.Queue()
+        self.workers = [context.Process(target=client_process, daemon=True,
+                                        args=(self.level, match, share, phases, self.ready, self.go, self.outbox))
+                        for share in client_shares(concurrency, processes)]
+        for worker in self.workers:
+            worker.start()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
+        if self.workers and error is None:
+            self.ready.wait(PROCESS_WAIT_S)  # the finish line
+        for worker in self.workers:
+            if error is not None:  # one may still be running, or waiting at a line
+                worker.kill()
+            worker.join()
+
+    async def at_start_line(self) -> None:
+        if self.workers:
+            await self._pass(self.ready)
+
+    async def run(self) -> tuple[list[Result], float]:
+        requests, duration = next(self.phases)
+        if not self.workers:
+            return await run_phase(*self.level, requests, duration, match=self.match)
+        await self._pass(self.go)
+        done = await asyncio.to_thread(self._collect)
+        return [result for results, _ in done for result in results], max(seconds for _, seconds in done)
+
+    async def _pass(self, barrier: Barrier) -> None:
+        try:
+            await asyncio.to_thread(barrier.wait, PROCESS_WAIT_S)
+        except threading.BrokenBarrierError:  # a process failed and broke it: raise with its traceback
+            await asyncio.to_thread(self._collect)
+            raise
+
+    def _collect(self) -> list[tuple[list[Result], float]]:
+        """Each process's (results, seconds) for this phase; raises if one failed."""
+        done = []
+        while len(done) < len(self.workers):
+            try:
+                outcome, failure = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                if failed := [worker.exitcode for worker in self.workers if worker.exitcode not in (None, 0)]:
+                    raise RuntimeError(f"client processes exited with {failed}") from None
+                continue
+            if failure:
+                raise RuntimeError(f"a client process failed:\n{failure}")
+            done.append(outcome)
+        return done
+
+
+def client_process(level: tuple, match: Match, share: range, phases: list[Phase], ready: Barrier, go: Barrier,
+                   outbox: Queue) -> None:
+    """A client process's life: each phase with its share of the clients, set up, then held at the
+    start line until all are and the parent releases them; ((results, seconds), "") sent back after
+    each, or (None, its traceback) when it fails. Then the finish line (see LevelClients)."""
+    def start_line() -> None:  # blocking is fine: nothing else runs in this process meanwhile
+        ready.wait(PROCESS_WAIT_S)
+        go.wait(PROCESS_WAIT_S)
+
+    try:
+        for requests, duration in phases:
+            outcome = asyncio.run(run_phase(*level, requests, duration, match=match, share=share, ready=start_line))
+            outbox.put((outcome, ""))
+        ready.wait(PROCESS_WAIT_S)
+    except Exception:
+        outbox.put((None, traceback.format_exc()))
+        ready.abort()  # the others, and the parent, stop waiting at a line
+        go.abort()
+        raise
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -538,33 +683,83 @@ def divergences(results: list[Result]) -> dict:
 
 
 def process_tree_usage(pid: int) -> dict:
-    """RSS and open file descriptors of the server and everything it started (engine, resource tracker)."""
+    """RSS, open file descriptors and CPU seconds (user + system) of the server and everything it
+    started (engine, resource tracker); the CPU seconds of this client too, which shares the host."""
     root = psutil.Process(pid)
+    tree = [root, *root.children(recursive=True)]
     procs = []
-    for proc in [root, *root.children(recursive=True)]:
+    for proc in tree:
         try:
             cmd = " ".join(proc.cmdline())
             role = ("server" if proc.pid == pid else "engine" if "spawn_main" in cmd
                     else "resource_tracker" if "resource_tracker" in cmd else proc.name())
+            cpu = proc.cpu_times()
             procs.append({"pid": proc.pid, "role": role, "rss_mb": proc.memory_info().rss / 2**20,
-                          "fds": proc.num_fds()})
+                          "fds": proc.num_fds(), "cpu_s": cpu.user + cpu.system})
         except psutil.NoSuchProcess:
             continue
     return {"at": time.time(), "rss_mb": sum(p["rss_mb"] for p in procs), "fds": sum(p["fds"] for p in procs),
-            "processes": procs}
+            "processes": procs, "client_cpu_s": client_cpu_seconds({proc.pid for proc in tree})}
+
+
+def client_cpu_seconds(server: set[int]) -> float:
+    """CPU seconds (user + system) of this process and of all it started but the server's processes
+    (a --spawn server is its child): the client processes, alive at both samples of a level's timed
+    phase (see LevelClients)."""
+    me = psutil.Process()
+    own = me.cpu_times()
+    seconds = own.user + own.system
+    for child in me.children(recursive=True):
+        try:
+            if child.pid not in server:
+                cpu = child.cpu_times()
+                seconds += cpu.user + cpu.system
+        except psutil.NoSuchProcess:
+            continue
+    return seconds
+
+
+def cpu_busy(start: dict, end: dict) -> dict[str, float]:
+    """Per role, CPU seconds per second of wall time between two usage samples: near 1.0 a
+    single-threaded process (the server's event loop, a client process) is what limits the level.
+    "client" is this process and its client processes together: near their count, they limit it."""
+    wall = end["at"] - start["at"]
+    before = {p["pid"]: p["cpu_s"] for p in start["processes"]}
+    busy = {p["role"]: (p["cpu_s"] - before[p["pid"]]) / wall for p in end["processes"] if p["pid"] in before}
+    return {**busy, "client": (end["client_cpu_s"] - start["client_cpu_s"]) / wall}
+
+
+# histogram totals whose change over a level tells the server's side of it (server_view)
+SERVER_TOTALS = ("moe_time_to_first_token_seconds_sum", "moe_time_to_first_token_seconds_count",
+                 "moe_batch_size_sum", "moe_batch_size_count", "moe_batch_tokens_sum")
 
 
 async def engine_gauges(target: Target) -> dict[str, float]:
-    """The /metrics samples this report needs: running/waiting gauges and finished requests by reason."""
+    """The /metrics samples this report needs: running/waiting gauges, finished requests by reason,
+    and the SERVER_TOTALS."""
     async with httpx.AsyncClient(timeout=30) as http:
         text = (await http.get(f"{target.base_url}/metrics",
                                headers={"authorization": f"Bearer {target.api_key}"})).text
     samples = {}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        if name in ("moe_num_requests_running", "moe_num_requests_waiting") or name.startswith("moe_requests_total{"):
+        if (name in ("moe_num_requests_running", "moe_num_requests_waiting", *SERVER_TOTALS)
+                or name.startswith("moe_requests_total{")):
             samples[name] = float(value)
     return samples
+
+
+def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """What the server saw between two idle samples: mean TTFT from the request's arrival at the
+    server (after parsing and templating) to its first token there, and the engine's steps and mean
+    batch. Against the client's TTFT it tells time spent in the client and the HTTP path from time
+    spent in the engine; a mean batch far below the concurrency means requests wait outside it."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SERVER_TOTALS}
+    requests, steps = delta["moe_time_to_first_token_seconds_count"], delta["moe_batch_size_count"]
+    return {"ttft_mean_ms": 1e3 * delta["moe_time_to_first_token_seconds_sum"] / requests if requests else None,
+            "steps": steps,
+            "mean_batch_size": delta["moe_batch_size_sum"] / steps if steps else None,
+            "mean_batch_tokens": delta["moe_batch_tokens_sum"] / steps if steps else None}
 
 
 async def wait_engine_idle(target: Target, timeout: float = 30.0) -> dict[str, float]:
@@ -645,29 +840,35 @@ async def sample_every(seconds: float, pid: int | None, samples: list[dict]) -> 
 
 async def run_level(args: argparse.Namespace, target: Target, prompts: list[Prompt], refs: list[Answer],
                     concurrency: int, pid: int | None) -> dict:
-    """Warm-up (untimed, verified), idle resource sample, timed phase, idle engine, idle resource sample."""
+    """Warm-up (untimed, verified), idle resource sample, timed phase, resource sample, idle engine."""
     mix = Mix(args.raw_fraction, args.disconnect_fraction, args.seed + concurrency)
-    warmup, _ = await run_phase(target, prompts, refs, concurrency, mix, args.timeout,
-                                requests=args.warmup if args.warmup is not None else concurrency, match=args.match)
-    await wait_engine_idle(target)
-    start_usage = process_tree_usage(pid) if pid else None
-    samples: list[dict] = []
-    sampler = asyncio.ensure_future(sample_every(args.sample_every, pid, samples))
-    try:
-        results, seconds = await run_phase(target, prompts, refs, concurrency, mix, args.timeout,
-                                           requests=args.requests, duration=args.duration, match=args.match)
-    finally:
-        sampler.cancel()
+    processes = client_process_count(args.client_processes, concurrency)
+    phases = [(args.warmup if args.warmup is not None else concurrency, None), (args.requests, args.duration)]
+    with LevelClients(processes, target, prompts, refs, concurrency, mix, args.timeout, args.match,
+                      phases) as level_clients:
+        await level_clients.at_start_line()
+        warmup, _ = await level_clients.run()
+        engine_before = await wait_engine_idle(target)
+        await level_clients.at_start_line()
+        start_usage = process_tree_usage(pid) if pid else None
+        samples: list[dict] = []
+        sampler = asyncio.ensure_future(sample_every(args.sample_every, pid, samples))
+        try:
+            results, seconds = await level_clients.run()
+        finally:
+            sampler.cancel()
+        end_usage = process_tree_usage(pid) if pid else None  # before waiting: cpu_busy covers the timed phase
     engine_after = await wait_engine_idle(target)
     await asyncio.sleep(1.0)  # let the server close the connections this phase opened
     diverged = divergences if args.match == "top5" else lambda _: {}  # an exact report keeps its keys
-    return {"concurrency": concurrency, **summarize(results, seconds, args.slo_ttft, args.slo_tpot),
+    return {"concurrency": concurrency, "client_processes": processes,
+            **summarize(results, seconds, args.slo_ttft, args.slo_tpot),
             **diverged(results),
             "warmup": {"requests": len(warmup), "status_counts": dict(Counter(r.status for r in warmup)),
                        "wrong_answers": sum(bool(r.problems) for r in warmup), **diverged(warmup)},
-            "engine_after": engine_after,
-            "resources": {"start": start_usage, "end": process_tree_usage(pid) if pid else None,
-                          "samples": samples}}
+            "engine_after": engine_after, "server_view": server_view(engine_before, engine_after),
+            "resources": {"start": start_usage, "end": end_usage, "samples": samples,
+                          "cpu_busy": cpu_busy(start_usage, end_usage) if pid else None}}
 
 
 def verdict(levels: list[dict], allowed: set[str]) -> dict:
@@ -706,6 +907,14 @@ def distribution_of(values: list[int]) -> dict:
     return {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
 
 
+def client_processes_flag(text: str) -> int | Literal["auto"]:
+    if text == "auto":
+        return text
+    if (count := int(text)) < 1:
+        raise argparse.ArgumentTypeError("at least 1, or auto")
+    return count
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m loadtest.run", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -737,6 +946,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="exact: each answer equals its reference (CPU fp32); top5: vLLM's check_logprobs_close, "
                         "equal up to the first divergence and there each token in the other's top-5 "
                         "(bf16 on a GPU with batching)")
+    p.add_argument("--client-processes", type=client_processes_flag, default="auto",
+                   help="processes that run a level's clients, each its share: auto = enough that each runs "
+                        f"at most {CLIENTS_PER_PROCESS}, on at most half the cores; 1 = all in this one")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout, s")
     p.add_argument("--sample-every", type=float, default=10.0, help="resource samples during a level, s")
     p.add_argument("--seed", type=int, default=0)

@@ -34,5 +34,9 @@ def test_soak_ci(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert report["server"]["exit_code_after_sigterm"] == 0
     start, end = level["resources"]["start"], level["resources"]["end"]
     assert {"server", "engine"} <= {p["role"] for p in start["processes"]}
+    busy = level["resources"]["cpu_busy"]
+    assert {"server", "engine", "client"} <= set(busy) and busy["engine"] > 0 and busy["client"] > 0, busy
+    view = level["server_view"]  # the server's side of the same requests
+    assert view["steps"] > 0 and 1 <= view["mean_batch_size"] <= CLIENTS and 0 < view["ttft_mean_ms"], view
     assert end["fds"] <= start["fds"], (start, end)
     assert end["rss_mb"] - start["rss_mb"] < RSS_GROWTH_MB, (start, end)
