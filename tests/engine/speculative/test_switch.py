@@ -1,7 +1,9 @@
 """SpecSwitch: who speculates, from measured costs (no torch)."""
 from __future__ import annotations
 
-from moe_serve.engine.speculative.switch import MEASURED_STEPS, PROBE_EVERY, PROBE_STEPS, SpecSwitch
+import pytest
+
+from moe_serve.engine.speculative.switch import MEASURED_STEPS, PROBE_STEPS, PROBE_TAX, SpecSwitch
 
 
 def lone_step(switch: SpecSwitch, spec_round: tuple[float, int], plain_step: tuple[float, int]) -> bool:
@@ -23,11 +25,31 @@ def test_each_mode_is_measured_over_a_window_then_the_cheaper_one_wins_with_peri
     modes = [lone_step(switch, (0.010, 4), (0.004, 1)) for _ in range(2 * PROBE_STEPS)]
     # speculation first, then plain decoding, each for its window (2.5 vs 4 ms per token)
     assert modes == [True] * PROBE_STEPS + [False] * PROBE_STEPS
-    # plain decoding is re-measured after every PROBE_EVERY steps of speculation...
-    choices = [lone_step(switch, (0.010, 4), (0.004, 1)) for _ in range(2 * (PROBE_EVERY + PROBE_STEPS - 1))]
+    # plain decoding is re-measured once speculation's steps took PROBE_STEPS plain steps / PROBE_TAX...
+    spacing = round(PROBE_STEPS * 0.004 / PROBE_TAX / 0.010)  # speculative steps between two probes
+    choices = [lone_step(switch, (0.010, 4), (0.004, 1)) for _ in range(2 * (spacing + PROBE_STEPS))]
     assert choices.count(False) == 2 * PROBE_STEPS
     first_probe = choices.index(False)
+    assert first_probe in (spacing, spacing + 1)  # float sums of step times
     assert choices[first_probe:first_probe + PROBE_STEPS] == [False] * PROBE_STEPS  # ...for a whole window
+
+
+@pytest.mark.parametrize("spec_round,plain_step", [
+    ((0.300, 2), (0.055, 1)),  # Mixtral-size bf16 experts at 25%: a 13-token verify needs every expert
+    ((0.005, 4), (0.001, 1)),  # a host-bound small model where the draft pays
+    ((0.002, 1), (0.030, 1)),
+])
+def test_re_measuring_the_loser_costs_at_most_about_probe_tax_of_the_time(spec_round, plain_step):
+    """Whatever the two modes cost, probes of the loser take a bounded share of lone decoding."""
+    switch = SpecSwitch()
+    for _ in range(2 * PROBE_STEPS):
+        lone_step(switch, spec_round, plain_step)
+    winner = spec_round[0] / spec_round[1] <= plain_step[0] / plain_step[1]
+    spent = {True: 0.0, False: 0.0}
+    for _ in range(3000):
+        mode = lone_step(switch, spec_round, plain_step)
+        spent[mode] += (spec_round if mode else plain_step)[0]
+    assert 0 < spent[not winner] <= 1.1 * PROBE_TAX * spent[winner]
 
 
 def test_the_first_step_after_a_change_of_mode_is_not_counted():
@@ -60,7 +82,7 @@ def test_a_draft_that_stops_paying_loses_the_lone_sequence():
         lone_step(switch, (0.002, 1), (0.003, 1))
     for _ in range(20):  # acceptance collapses: each round now costs 8 ms for one token
         switch.record(True, seconds=0.008, tokens=1)
-    decisions = [switch.speculate(1, 0) for _ in range(PROBE_EVERY - 1)]
+    decisions = [switch.speculate(1, 0) for _ in range(20)]
     assert decisions.count(True) == 0
 
 
