@@ -502,7 +502,9 @@ async def run_phase(target: Target, prompts: list[Prompt], refs: list[Answer], c
 
 # ---- client processes: one level's clients spread over several ------------------------------
 
-CLIENTS_PER_PROCESS = 8  # auto: one asyncio process parsing ~4,500 SDK chunks/s (32 clients, H100 host) is saturated
+# auto: one asyncio process parsing ~4,500 SDK chunks/s (32 clients, H100 host) was saturated, and
+# one with 8 clients at ~2,800 chunks/s read 0.92 CPU busy
+CLIENTS_PER_PROCESS = 4
 PROCESS_WAIT_S = 300.0  # how long anyone waits at a start or finish line for the others before it fails
 
 
