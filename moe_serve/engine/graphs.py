@@ -92,8 +92,9 @@ class GraphCapture:
         return self._host_inputs.numpy()
 
     def accepts(self, tokens: int) -> bool:
-        """Whether a forward of `tokens` tokens can be captured (a piecewise layer computes all its
-        experts in one wave: the cache must hold them)."""
+        """Whether a forward of `tokens` tokens can be captured (runner.can_replay: a piecewise layer
+        computes all its experts in one wave, so the cache must hold them, and a span that needs
+        every expert of the model streams eagerly instead)."""
         return not self.piecewise or self.runner.can_replay(tokens)
 
     def run(self, key: Hashable, num_inputs: int, tokens: int, top_r: int | None, forward: StaticForward) -> torch.Tensor:
