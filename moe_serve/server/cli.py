@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--allowed-headers", type=_comma_list, default=("*",), metavar="HEADER,...",
                         help="request headers an allowed origin may send (default: *: the OpenAI SDKs send "
                              "Authorization and several x-stainless-* headers)")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log a line per request (its id, prompt tokens, choices, user) at INFO; off by "
+                             "default, as in vLLM: at a hundred requests a second the lines took ~10%% of the one "
+                             "event loop's time per request")
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no access-log line per response (vLLM's flag)")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="reads tool calls out of the model's text for tool_choice 'auto': hermes (Qwen2.5, "
                              "Qwen3, the embedded default model), mistral, llama3_json, deepseek_v3 (default: none, "
@@ -158,7 +164,8 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
         chat_template=None if args.chat_template is None else read_chat_template(args.chat_template),
         sampling_defaults=SamplingDefaults.read(args.generation_config, args.model),
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-        allowed_headers=args.allowed_headers,
+        allowed_headers=args.allowed_headers, log_requests=args.enable_log_requests,
+        access_log=not args.disable_uvicorn_access_log,
     )
 
 
@@ -269,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=engine_config.logging.level,
                             log_config=engine_config.logging.dict_config(),
                             timeout_graceful_shutdown=settings.graceful_shutdown_seconds,
-                            timeout_keep_alive=KEEP_ALIVE_SECONDS)
+                            timeout_keep_alive=KEEP_ALIVE_SECONDS, access_log=settings.access_log)
     server = DrainingServer(config, app.state.moe.engine, settings.drain_seconds)
     log.info("OpenAI API at http://%s:%d/v1, Prometheus metrics at http://%s:%d/metrics", settings.host,
              settings.port, settings.host, settings.port)

@@ -89,6 +89,8 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
+    log_requests: bool = False  # an INFO line per request (vLLM's --enable-log-requests)
+    access_log: bool = True  # uvicorn's line per response
 
     @property
     def stream_grace_seconds(self) -> float:
@@ -110,4 +112,5 @@ class ServerSettings:
                 "tokenizer": self.tokenizer, "chat_template": "given" if self.chat_template else "the checkpoint's",
                 "sampling_defaults": self.sampling_defaults.describe(),
                 "allowed_origins": self.allowed_origins, "allowed_methods": self.allowed_methods,
+                "log_requests": self.log_requests, "access_log": self.access_log,
                 "allowed_headers": self.allowed_headers}

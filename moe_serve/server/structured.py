@@ -31,6 +31,11 @@ def structured_output(body: GenerationFields, grammars: Grammars) -> StructuredO
     return structured
 
 
+def asks_structured_output(body: GenerationFields) -> bool:
+    """Whether the body asks for any constraint (cheap: nothing compiles)."""
+    return next(_requested(body), None) is not None
+
+
 def _requested(body: GenerationFields) -> Iterator[tuple[str, StructuredOutput]]:
     """(the field that asked, its constraint) for every structured output the body carries."""
     fmt = body.response_format

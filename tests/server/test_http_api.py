@@ -67,6 +67,14 @@ def test_completion_stream_equals_non_stream(server: RunningServer) -> None:
     assert streamed == plain["choices"][0]["text"]
 
 
+def test_by_default_an_access_line_per_response_and_no_request_line(server: RunningServer) -> None:
+    """Request lines are vLLM's opt-in (--enable-log-requests): each costs the one event loop."""
+    resp = server.post("/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 200
+    log = server.log()
+    assert f"{resp.json()['id']}: " not in log and '"POST /v1/completions HTTP/1.1" 200' in log
+
+
 def test_form_encoded_content_type_is_still_json(server: RunningServer) -> None:
     """`curl -d '{...}'` sends application/x-www-form-urlencoded."""
     resp = server.post(CHAT, content=json.dumps(chat_body(server)),

@@ -1,4 +1,4 @@
-"""A server configured from YAML + env + flags: API key, protected /metrics, queue limit, caps."""
+"""A server configured from YAML + env + flags: API key, protected /metrics, queue limit, caps, log lines."""
 from __future__ import annotations
 
 import threading
@@ -20,7 +20,8 @@ AUTH = {"authorization": f"Bearer {KEY}"}
 def strict(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     config = tmp_path_factory.mktemp("cfg") / "strict.yaml"
     config.write_text(yaml.safe_dump({"served-model-name": "tiny-strict", "max-queue": 50, "max-tokens-cap": 200,
-                                      "metrics-require-key": True, "max-body-bytes": 4096}))
+                                      "metrics-require-key": True, "max-body-bytes": 4096,
+                                      "enable-log-requests": True, "disable-uvicorn-access-log": True}))
     # --max-queue on the command line must win over the file's 50
     running = start_server(tiny_model, tmp_path_factory.mktemp("logs"), "--config", str(config), "--max-queue", "2",
                            env={"MOE_API_KEY": KEY})
@@ -54,6 +55,14 @@ def test_sdk_with_the_key(strict: RunningServer) -> None:
     assert resp.usage.completion_tokens >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=strict.base_url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_a_line_per_request_and_no_access_log_when_asked(strict: RunningServer) -> None:
+    resp = strict.post("/v1/chat/completions", json=body(strict), headers=AUTH)
+    assert resp.status_code == 200
+    log = strict.log()
+    assert f"{resp.json()['id']}: " in log and "prompt tokens" in log
+    assert '"POST /v1/chat/completions' not in log
 
 
 def test_health_open_metrics_need_the_key(strict: RunningServer) -> None:
