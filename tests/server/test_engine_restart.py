@@ -21,7 +21,7 @@ from tests.server.conftest import REPO, RunningServer, start_server
 
 @pytest.fixture(scope="module")
 def victim(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(tiny_model, tmp_path_factory.mktemp("logs"))
+    running = start_server(tiny_model, tmp_path_factory.mktemp("logs"), "--enable-log-requests")  # see "2 choices"
     yield running
     running.stop()
 

@@ -26,9 +26,11 @@ SERVER_SOURCES = sorted((REPO / "moe_serve" / "server").glob("*.py"))
 
 @pytest.fixture(scope="module")
 def keyed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    """The key given on the command line (the path most likely to leak it), /metrics behind it too."""
+    """The key given on the command line (the path most likely to leak it), /metrics behind it too; every
+    log line a request can write is on."""
     running = start_server(tiny_model, tmp_path_factory.mktemp("logs"), "--api-key", KEY, "--metrics-require-key",
-                           "--max-tokens-cap", str(CAP_TOKENS), "--max-body-bytes", str(CAP_BYTES))
+                           "--max-tokens-cap", str(CAP_TOKENS), "--max-body-bytes", str(CAP_BYTES),
+                           "--enable-log-requests")
     yield running
     running.stop()
 
@@ -144,7 +146,7 @@ def test_the_key_never_reaches_the_log(keyed: RunningServer) -> None:
     keyed.post("/v1/completions", headers=auth(KEY + "-typo"), json={"model": keyed.model, "prompt": "hi"})
     keyed.get("/metrics", headers=auth(KEY))
     log = keyed.log()
-    assert "completions HTTP/1.1\" 200" in log and "401" in log  # the requests were logged, the key was not
+    assert "completions HTTP/1.1\" 200" in log and "401" in log and "prompt tokens" in log  # logged, not the key
     assert KEY not in log
 
 
