@@ -5,7 +5,7 @@
 
 Flow: seeded prompts -> one non-streamed greedy reference per prompt, fetched one at a time ->
 per concurrency level an untimed warm-up, then the timed phase -> one JSON report. A level's
-clients run in --client-processes processes (default: at most 8 clients each), so that parsing
+clients run in --client-processes processes (default: at most 4 clients each), so that parsing
 the streams does not bound what is measured.
 
 Verification. Every request is greedy, so each streamed answer must equal its prompt's
