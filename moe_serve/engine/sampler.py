@@ -243,10 +243,16 @@ def ranked_top_logprobs(logp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch
     bits made order-preserving above the reversed token id, is a total order."""
     bits = logp.view(torch.int32)  # [B, V]
     ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()  # ascending as the floats ascend (no NaN)
-    reversed_ids = logp.shape[-1] - 1 - torch.arange(logp.shape[-1], device=logp.device)  # [V]
-    keys = (ordered << 32) | reversed_ids  # [B, V]
+    keys = (ordered << 32) | _reversed_ids(logp.shape[-1], logp.device)  # [B, V]
     ids = logp.shape[-1] - 1 - (keys.topk(n, dim=-1).values & _MASK32)  # [B, n]
     return logp.gather(1, ids), ids
+
+
+@cache
+def _reversed_ids(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] int64 V-1, ..., 0: ranked_top_logprobs' tie-breaking key, made once per vocabulary and
+    device rather than per step (two launches on the engine thread for every step with logprobs)."""
+    return torch.arange(vocab_size - 1, -1, -1, device=device)
 
 
 def row_noise_key(seed: int, step: int) -> int:
