@@ -165,9 +165,10 @@ class SampledTokens:
         """Tokens and per-row TokenLogprob (None where a row asked for none), in one device->host copy."""
         if self.logprob is None or self.top_ids is None or self.top_logprobs is None:
             return self.tokens.tolist(), [None] * len(self.logprobs)
-        # float64 holds int64 token ids < 2^53 and fp32 logprobs exactly: one tensor, one copy
-        packed = torch.cat([self.tokens[:, None].double(), self.logprob[:, None].double(),
-                            self.top_ids.double(), self.top_logprobs.double()], dim=1).tolist()  # [B, 2 + 2N]
+        # float64 holds int64 token ids < 2^53 and fp32 logprobs exactly: one tensor, one copy. cat
+        # promotes every part to the float64 of one of them, so the conversions cost no launches of their own
+        packed = torch.cat([self.tokens[:, None], self.logprob[:, None].double(), self.top_ids, self.top_logprobs],
+                           dim=1).tolist()  # [B, 2 + 2N]
         width = self.top_ids.shape[1]
         tokens = [int(row[0]) for row in packed]
         logprobs = [None if n is None else TokenLogprob(int(row[0]), row[1], tuple(
