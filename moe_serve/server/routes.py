@@ -18,7 +18,7 @@ from moe_serve.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from moe_serve.server.responses import ChatFormat, CompletionFormat, PromptEcho, ResponseFormat
 from moe_serve.server.serving import Envelope, Generation, respond_json, respond_stream
 from moe_serve.server.state import AppState, require_api_key
-from moe_serve.server.structured import asks_structured_output, structured_output
+from moe_serve.server.structured import checked_structured_output, requested_structured_output
 from moe_serve.server.tool_parsers.tool_choice import ToolCalling, tool_calling
 
 log = logging.getLogger("moe_serve")
@@ -113,7 +113,9 @@ async def start_generation(state: AppState, body: GenerationFields, prompts: lis
     """Plan a validated body's engine requests and submit them (/v1/responses shares this too).
 
     tools, reasoning_parser: chat only; a constrained answer has no reasoning section to split off."""
-    structured = await _off_loop_if(asks_structured_output(body), structured_output, body, state.grammars)  # compiles
+    requested = requested_structured_output(body)
+    structured = None if requested is None else await asyncio.to_thread(
+        checked_structured_output, *requested, state.grammars)  # compiles: off the loop
     if tools is not None:
         structured = tools.constrain(structured)
     plan = make_plan(body, prompts, request_id, engine, state.tokenizer.eos_token_ids,

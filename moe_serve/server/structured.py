@@ -15,25 +15,23 @@ from moe_serve.server.errors import bad_request
 from moe_serve.server.protocol import GenerationFields, StructuredOutputsParams
 
 
-def structured_output(body: GenerationFields, grammars: Grammars) -> StructuredOutput | None:
-    """The one constraint the body asks for (None: plain text), compiled once to check it."""
+def requested_structured_output(body: GenerationFields) -> tuple[str, StructuredOutput] | None:
+    """The one constraint the body asks for and the field that asked (None: plain text). Cheap:
+    nothing compiles (checked_structured_output does)."""
     asked = list(_requested(body))
     if len(asked) > 1:
         names = ", ".join(param for param, _ in asked)
         raise bad_request(f"give one structured output, not several ({names})", asked[1][0])
-    if not asked:
-        return None
-    [(param, structured)] = asked
+    return asked[0] if asked else None
+
+
+def checked_structured_output(param: str, structured: StructuredOutput, grammars: Grammars) -> StructuredOutput:
+    """`structured`, compiled once against the served tokenizer; a 400 naming `param` if it cannot be."""
     try:
         grammars.check(structured)
     except GrammarError as exc:
         raise bad_request(f"'{param}' cannot be used for constrained decoding: {exc}", param) from None
     return structured
-
-
-def asks_structured_output(body: GenerationFields) -> bool:
-    """Whether the body asks for any constraint (cheap: nothing compiles)."""
-    return next(_requested(body), None) is not None
 
 
 def _requested(body: GenerationFields) -> Iterator[tuple[str, StructuredOutput]]:
