@@ -46,10 +46,6 @@ class _Cost:
         self.steps += 1
 
     @property
-    def seconds_per_step(self) -> float:
-        return self.seconds
-
-    @property
     def seconds_per_token(self) -> float | None:
         return self.seconds / self.tokens if self.steps else None
 
@@ -76,7 +72,7 @@ class SpecSwitch:
             return self.probe_mode
         winner = self._winner()
         loser = self.plain if winner else self.speculative
-        if self.winner_seconds * PROBE_TAX >= PROBE_STEPS * loser.seconds_per_step:
+        if self.winner_seconds * PROBE_TAX >= PROBE_STEPS * loser.seconds:  # seconds: its mean step
             self.winner_seconds = 0.0
             self.probe_mode, self.probe_left = not winner, PROBE_STEPS - 1
             return self.probe_mode
