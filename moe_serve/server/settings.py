@@ -91,6 +91,8 @@ class ServerSettings:
     allowed_headers: tuple[str, ...] = ("*",)
     log_requests: bool = False  # an INFO line per request (vLLM's --enable-log-requests)
     access_log: bool = True  # uvicorn's line per response
+    # the Responses API store: a private database when None, else an SQLite file every API server process shares
+    response_store_path: str | None = None
 
     @property
     def stream_grace_seconds(self) -> float:
