@@ -65,7 +65,7 @@ def create_app(settings: ServerSettings, engine_config: EngineConfig,
     app.include_router(router)
     app.include_router(tokenize_router)
     app.include_router(responses_router)
-    app.state.responses = ResponseStore()
+    app.state.responses = ResponseStore(settings.response_store_path)
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", model_card, methods=["GET"])

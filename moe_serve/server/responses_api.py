@@ -5,17 +5,20 @@ items as messages, function_call / function_call_output items as assistant tool 
 turns, text.format as response_format, function tools as chat tools), so templating,
 validation, sampling, structured outputs and tool calling are the chat path's own; only the
 answer's shape differs (a message item for its text, a function_call item per call). With store
-(OpenAI's default) a bounded number of responses stays in memory, for GET and for
-previous_response_id, which continues that response's conversation (its instructions are not
-carried over, as OpenAI documents).
+(OpenAI's default) a bounded number of responses is kept (in SQLite, shared by the API server
+processes), for GET and for previous_response_id, which continues that response's conversation
+(its instructions are not carried over, as OpenAI documents).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sqlite3
+import tempfile
+import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from itertools import count
@@ -51,25 +54,67 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The newest stored responses, within a count and a size (the oldest go first)."""
+    """The newest stored responses, within a count and a size (the oldest go first), in SQLite: a private
+    database file when path is None, else the file at path, which every API server process of one server
+    opens (--api-server-count), so a GET or a previous_response_id finds a response whichever process
+    stored it. Each process and thread gets its own connection, as sqlite requires; the rows are JSON."""
 
-    def __init__(self, max_responses: int = MAX_STORED_RESPONSES, max_characters: int = MAX_STORED_CHARACTERS) -> None:
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._max_responses, self._max_characters, self._characters = max_responses, max_characters, 0
+    def __init__(self, path: str | None = None, max_responses: int = MAX_STORED_RESPONSES,
+                 max_characters: int = MAX_STORED_CHARACTERS) -> None:
+        self._private = tempfile.TemporaryDirectory(prefix="moe-serve-responses-") if path is None else None
+        self._path = path if self._private is None else os.path.join(self._private.name, "responses.sqlite3")
+        self._max_responses, self._max_characters = max_responses, max_characters
+        self._local = threading.local()
+        self._connection()  # the table exists before the first request
 
     def put(self, stored: StoredResponse) -> None:
-        self._responses[stored.body["id"]] = stored
-        self._characters += stored.size
-        while len(self._responses) > self._max_responses or self._characters > self._max_characters:
-            self._characters -= self._responses.popitem(last=False)[1].size
+        db = self._connection()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute("INSERT OR REPLACE INTO responses (id, size, body, conversation) VALUES (?, ?, ?, ?)",
+                       (stored.body["id"], stored.size, _json(stored.body), _json(stored.conversation)))
+            db.execute(_TRIM, (self._max_characters, self._max_responses))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
 
     def get(self, response_id: str, param: str | None = None) -> StoredResponse:
-        stored = self._responses.get(response_id)
-        if stored is None:
-            raise APIError(404, f"no stored response with id '{response_id}' (responses are kept in memory, "
-                           f"the newest {self._max_responses}, when store is not false)", param=param,
+        row = self._connection().execute("SELECT body, conversation FROM responses WHERE id = ?",
+                                         (response_id,)).fetchone()
+        if row is None:
+            raise APIError(404, f"no stored response with id '{response_id}' (the newest {self._max_responses} "
+                           f"responses are kept, when store is not false)", param=param,
                            code="response_not_found")
-        return stored
+        return StoredResponse(json.loads(row[0]), tuple(json.loads(row[1])))
+
+    def _connection(self) -> sqlite3.Connection:
+        """This thread's connection; a new one in a child process, since a connection never crosses a fork."""
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            # isolation_level None: put's transaction is explicit; timeout is sqlite's busy timeout, for
+            # another process's write in progress
+            local.db, local.pid = sqlite3.connect(self._path, timeout=10.0, isolation_level=None), os.getpid()
+            local.db.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer
+            local.db.execute("PRAGMA synchronous=NORMAL")  # a lost response is no harm: no fsync per put
+            local.db.execute(_SCHEMA)
+        return local.db
+
+
+# the INTEGER PRIMARY KEY is the rowid: the table is its own index on insertion order; size comes before
+# the bodies, so trimming reads no overflow pages of theirs
+_SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
+    seq INTEGER PRIMARY KEY, id TEXT NOT NULL UNIQUE, size INTEGER NOT NULL, body TEXT NOT NULL,
+    conversation TEXT NOT NULL)"""
+# everything from the newest response past either bound down to the oldest
+_TRIM = """DELETE FROM responses WHERE seq <= (
+    SELECT seq FROM (SELECT seq, SUM(size) OVER newest_first AS characters, ROW_NUMBER() OVER newest_first AS n
+                     FROM responses WINDOW newest_first AS (ORDER BY seq DESC))
+    WHERE characters > ?1 OR n > ?2 ORDER BY seq DESC LIMIT 1)"""
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
 
 
 Event = tuple[str, dict]  # (type, fields) of one stream event
