@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from moe_serve.engine.config import EngineConfig
 from moe_serve.server.app import PACKAGE_VERSION, create_app, system_fingerprint
 from moe_serve.server.cli import parse_args, server_settings_from_args
+from moe_serve.server.response_store import StoredResponse
 from moe_serve.server.settings import ServerSettings
 
 ALLOWED = "http://localhost:3000"
@@ -76,3 +77,15 @@ def test_cors_flags_reach_the_settings(tiny_model: Path) -> None:
     assert server_settings_from_args(parse_args([str(tiny_model)])).allowed_origins == ()
     with pytest.raises(SystemExit):
         parse_args([str(tiny_model), "--allowed-origins", "['http://a']"])  # a YAML list, as --config passes it
+
+
+def test_apps_given_one_response_store_path_share_their_stored_responses(tiny_model: Path, tmp_path: Path) -> None:
+    """--api-server-count: a GET lands on whichever API server process accepted it, not the one that stored."""
+    path = str(tmp_path / "responses.sqlite3")
+    storing, other = (client(tiny_model, response_store_path=path) for _ in range(2))
+    apart = client(tiny_model)
+    body = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+    storing.app.state.responses.put(StoredResponse(body, ({"role": "user", "content": "hi"},)))
+    assert storing.get("/v1/responses/resp_1").json() == other.get("/v1/responses/resp_1").json() == body
+    missing = apart.get("/v1/responses/resp_1")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "response_not_found"
