@@ -686,14 +686,17 @@ def divergences(results: list[Result]) -> dict:
 
 def process_tree_usage(pid: int) -> dict:
     """RSS, open file descriptors and CPU seconds (user + system) of the server and everything it
-    started (engine, resource tracker); the CPU seconds of this client too, which shares the host."""
+    started (engine, resource tracker; with --api-server-count N its N API server processes, the ones
+    listening on the port, and the supervisor that started them); the CPU seconds of this client too,
+    which shares the host."""
     root = psutil.Process(pid)
     tree = [root, *root.children(recursive=True)]
     procs = []
     for proc in tree:
         try:
             cmd = " ".join(proc.cmdline())
-            role = ("server" if proc.pid == pid else "engine" if "spawn_main" in cmd
+            listens = any(c.status == psutil.CONN_LISTEN for c in proc.net_connections("tcp"))
+            role = ("server" if listens else "supervisor" if proc.pid == pid else "engine" if "spawn_main" in cmd
                     else "resource_tracker" if "resource_tracker" in cmd else proc.name())
             cpu = proc.cpu_times()
             procs.append({"pid": proc.pid, "role": role, "rss_mb": proc.memory_info().rss / 2**20,
@@ -722,12 +725,19 @@ def client_cpu_seconds(server: set[int]) -> float:
 
 
 def cpu_busy(start: dict, end: dict) -> dict[str, float]:
-    """Per role, CPU seconds per second of wall time between two usage samples: near 1.0 a
-    single-threaded process (the server's event loop, a client process) is what limits the level.
-    "client" is this process and its client processes together: near their count, they limit it."""
+    """Per role, CPU seconds per second of wall time between two usage samples, summed over the role's
+    processes: near 1.0 a single-threaded process (an API server's event loop, a client process) is what
+    limits the level, so "server_busiest" gives the busiest API server process alone. "client" is this
+    process and its client processes together: near their count, they limit it."""
     wall = end["at"] - start["at"]
     before = {p["pid"]: p["cpu_s"] for p in start["processes"]}
-    busy = {p["role"]: (p["cpu_s"] - before[p["pid"]]) / wall for p in end["processes"] if p["pid"] in before}
+    busy: dict[str, float] = {}
+    for p in end["processes"]:
+        if p["pid"] in before:
+            seconds = (p["cpu_s"] - before[p["pid"]]) / wall
+            busy[p["role"]] = busy.get(p["role"], 0.0) + seconds
+            if p["role"] == "server":
+                busy["server_busiest"] = max(busy.get("server_busiest", 0.0), seconds)
     return {**busy, "client": (end["client_cpu_s"] - start["client_cpu_s"]) / wall}
 
 

@@ -60,11 +60,6 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
-class Shutdown:
-    pass
-
-
-@dataclass(frozen=True)
 class TokenLogprob:
     token_id: int
     logprob: float

@@ -2,6 +2,7 @@
 /v1/models, /version, /metrics, and the 404 that names an unknown route."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
@@ -18,9 +19,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from moe_serve.engine.channel import channel_addresses
 from moe_serve.engine.cli import package_version
 from moe_serve.engine.config import EngineConfig
-from moe_serve.server.engine_client import EngineClient
+from moe_serve.server.engine_client import EngineClient, EngineSupervisor, InFlightCounts, SharedEngine
 from moe_serve.server.errors import APIError, error_response, install_error_handlers, unknown_model
 from moe_serve.server.metrics import ServerMetrics
 from moe_serve.server.responses_api import ResponseStore
@@ -35,11 +37,16 @@ log = logging.getLogger("moe_serve")
 PACKAGE_VERSION = package_version()
 
 
-def create_app(settings: ServerSettings, engine_config: EngineConfig,
-               on_fatal: Callable[[], None] = lambda: None) -> FastAPI:
-    """on_fatal is called (on the event loop) if the engine cannot start at all; the CLI stops uvicorn."""
+def create_app(settings: ServerSettings, engine_config: EngineConfig, on_fatal: Callable[[], None] = lambda: None,
+               shared: SharedEngine | None = None) -> FastAPI:
+    """on_fatal is called (on the event loop) if the engine cannot start at all; the CLI stops uvicorn.
+    shared: this is one of --api-server-count's processes, and the engine is its parent's; None: this
+    process runs the engine itself."""
     metrics = ServerMetrics(settings.served_model_name)
-    engine = EngineClient(engine_config, metrics.on_snapshot, metrics.engine.engine_lost, on_fatal)
+    addresses = channel_addresses(1) if shared is None else (shared.channel,)
+    in_flight = InFlightCounts.private() if shared is None else shared.in_flight
+    engine = EngineClient(addresses[0], in_flight, metrics.on_snapshot, metrics.engine.engine_lost, on_fatal)
+    supervisor = EngineSupervisor(engine_config, addresses) if shared is None else None
     tokenizer = Tokenizer(engine_config.model, engine_config.trust_remote_code, tokenizer_dir=settings.tokenizer,
                           chat_template=settings.chat_template)
     state = AppState(settings, engine, tokenizer, metrics, system_fingerprint(engine_config))
@@ -47,8 +54,12 @@ def create_app(settings: ServerSettings, engine_config: EngineConfig,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
+        if supervisor is not None:
+            supervisor.start()
         yield
         await state.engine.close()
+        if supervisor is not None:
+            await asyncio.to_thread(supervisor.stop)
 
     # with an API key the interactive docs and schema go too: they would map the API for anyone
     public_docs = settings.api_key is None

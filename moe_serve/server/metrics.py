@@ -11,6 +11,7 @@ cannot drift apart. The offload metrics (expert cache, PCIe, prefetch) have no v
 """
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import fields, replace
@@ -18,6 +19,7 @@ from dataclasses import fields, replace
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from moe_serve.engine.messages import MetricsSnapshot
@@ -189,6 +191,13 @@ class ServerMetrics:
         served = self._served = (served_model_name, ENGINE_INDEX)
         self.engine = EngineSnapshotCollector(served)
         self.registry.register(self.engine)
+        self._exposed = self.registry
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            # --api-server-count > 1: this process' histograms and counters are its share, kept in files that
+            # MultiProcessCollector adds up over every API server; every one of them has the whole engine view
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed)
+            self._exposed.register(self.engine)
         itl = ("Time between two output tokens of a request (engine step time / tokens it produced).",
                VLLM_ITL_BUCKETS)
         self.tpot = Twin(Histogram("moe_time_per_output_token_seconds", "Decode time per output token (engine).",
@@ -236,4 +245,4 @@ class ServerMetrics:
             self.batch_tokens.observe(tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)

@@ -155,10 +155,13 @@ def test_chat_template_from_file_or_inline(tmp_path: Path) -> None:
 def test_engine_threads_are_set_when_unset(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "")  # records the variable's value before, for the undo
     monkeypatch.delenv("OMP_NUM_THREADS")
-    set_engine_threads()
+    set_engine_threads(api_servers=1)
     assert int(os.environ["OMP_NUM_THREADS"]) == max(1, usable_cores() - 1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    set_engine_threads(api_servers=4)  # a core left to each API server process
+    assert int(os.environ["OMP_NUM_THREADS"]) == max(1, usable_cores() - 4)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    set_engine_threads()
+    set_engine_threads(api_servers=1)
     assert os.environ["OMP_NUM_THREADS"] == "3"
 
 
