@@ -188,9 +188,13 @@ class TokenMask:
     def restrict(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [B, V] with -inf at every forbidden token; a new tensor, so the logprobs still read
         the model's own logits."""
-        # shifted so token j's bit lands on the sign bit: one comparison reads it (int32 shifts wrap)
-        forbidden = (self.bits[:, :, None] << _sign_shifts(self.bits.device)) >= 0  # [B, W, 32]
-        return logits.masked_fill(forbidden.flatten(1)[:, :logits.shape[-1]], float("-inf"))  # [B, V]
+        # shifted so token j's bit lands on the sign bit, which signbit reads (int32 shifts wrap; `< 0`
+        # would also make the 0 a tensor each step)
+        allowed = torch.signbit(self.bits.unsqueeze(-1) << _sign_shifts(self.bits.device)).flatten(1)  # [B, 32 W]
+        if allowed.shape[1] != logits.shape[-1]:  # sliced only where V is no multiple of 32: one op fewer a step
+            allowed = allowed[:, :logits.shape[-1]]  # [B, V]
+        # where, not masked_fill: out of place, masked_fill is a clone and then the fill (two kernels)
+        return torch.where(allowed, logits, _minus_inf(logits.device, logits.dtype))  # [B, V]
 
 
 @cache
@@ -198,6 +202,13 @@ def _sign_shifts(device: torch.device) -> torch.Tensor:
     """[32] int32 31, 30, ..., 0: TokenMask's shifts, made once per device rather than per step (on
     CUDA each arange is one more launch on the engine thread)."""
     return torch.arange(31, -1, -1, dtype=torch.int32, device=device)
+
+
+@cache
+def _minus_inf(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-dim -inf on the logits' device, in their dtype: TokenMask's fill value. (A Python float
+    there becomes a new device tensor each step, one more launch; a CPU one, a copy.)"""
+    return torch.tensor(float("-inf"), dtype=dtype, device=device)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: TokenMask | None = None) -> SampledTokens:

@@ -167,9 +167,25 @@ def test_each_filled_row_is_its_matchers_own_mask(tiny_model: Path) -> None:
     matchers = [grammars.matcher(s) for s in STRUCTURED]
     matchers[0].advance(AutoTokenizer.from_pretrained(tiny_model).encode("{", add_special_tokens=False)[0])
     rows = [matchers[0], None, *matchers[1:], None]
-    masks = MaskFiller().pending(rows, torch.device("cpu"))
+    assert_own_rows(MaskFiller(), rows, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_the_kept_buffer_leaves_no_row_of_an_earlier_step(tiny_model: Path, device: str) -> None:
+    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+    matchers = [grammars.matcher(s) for s in STRUCTURED * 2]
+    filler = MaskFiller()
+    # every row constrained (no row set to ones first); then rows whose grammar left; then a larger batch
+    for rows in (matchers[:3], [None, matchers[3], None], [*matchers[:4], None, *matchers[4:]]):
+        assert_own_rows(filler, rows, torch.device(device))
+
+
+def assert_own_rows(filler: MaskFiller, rows: list, device: torch.device) -> None:
+    masks = filler.pending(rows, device)
     assert masks is not None
-    bits = masks.result().bits  # [B, W]
+    bits = masks.result().bits.cpu()  # [B, W]
+    assert bits.shape[0] == len(rows)
     for row, grammar in zip(bits, rows):
         alone = torch.frombuffer(bytearray(grammar.matcher.compute_bitmask()), dtype=torch.int32) \
             if grammar is not None else torch.full_like(row, -1)  # a row without a grammar allows every token
