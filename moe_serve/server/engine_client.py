@@ -221,15 +221,14 @@ class EngineSupervisor:
         self._ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited threads, locks or CUDA state
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
-        self.gave_up = threading.Event()  # set when the engine could not start at all
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = STOP_SECONDS) -> None:
-        """Stop restarting; the running engine exits once its channels close, or is killed after timeout."""
+    def stop(self) -> None:
+        """Stop restarting; the running engine exits once its channels close, or is killed STOP_SECONDS on."""
         self._closing.set()
-        self._thread.join(timeout + 1.0)
+        self._thread.join(STOP_SECONDS + 1.0)
 
     def _supervise(self) -> None:
         failures, ever_ready = 0, False
@@ -246,8 +245,7 @@ class EngineSupervisor:
                 return
             log.error("engine process %d exited with code %s", process.pid, process.exitcode)
             if process.exitcode == START_FAILED_EXIT_CODE and not ever_ready:
-                self.gave_up.set()  # bad model, bad flags: retrying cannot help (the servers heard why)
-                return
+                return  # bad model, bad flags: retrying cannot help (the API servers heard why, and stop)
             ever_ready |= bool(was_ready.value)
             failures = 0 if was_ready.value else failures + 1
             self._closing.wait(min(0.5 * 2**failures, MAX_BACKOFF_SECONDS))
