@@ -316,8 +316,8 @@ def serve_with_api_servers(count: int, settings: ServerSettings, engine_config: 
     server processes that accept from the one listening socket (the kernel hands each new connection to one
     of them) and each talk to the engine over their own channel. HTTP-side Prometheus metrics are added up
     over the N (prometheus_client's multiprocess mode), stored responses live in one SQLite file, and
-    --max-queue holds for the sum of their requests in flight (shared memory). A SIGTERM is passed on to the API servers, which drain; if one of them
-    ends, the others are stopped too."""
+    --max-queue holds for the sum of their requests in flight (shared memory). A SIGTERM is passed on to
+    the API servers, which drain; if one of them ends, the others are stopped too."""
     addresses = channel_addresses(count)
     folder = Path(addresses[0].path).parent
     metrics_dir = folder / "metrics"

@@ -89,7 +89,8 @@ def test_killed_engine_fails_in_flight_requests_and_comes_back(victim: RunningSe
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] >= 1
 
 
-def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: Path, api_servers: str) -> None:
     broken = tmp_path / "broken"
     broken.mkdir()
     # passes every start-up check (config, tokenizer, a weights file); only loading finds the tensor unknown
@@ -97,7 +98,7 @@ def test_engine_that_cannot_start_stops_the_server(tmp_path: Path, tiny_model: P
         (broken / name).write_bytes((tiny_model / name).read_bytes())
     save_file({"not.a.weight": torch.zeros(1)}, str(broken / "model.safetensors"))
     with pytest.raises(RuntimeError, match="server exited with 1"):
-        start_server(broken, tmp_path)
+        start_server(broken, tmp_path, "--api-server-count", api_servers)
     log = next(tmp_path.glob("server-*.log")).read_text()
     assert "the engine could not start" in log
 
