@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from moe_serve.engine.experts.runner import CachedExpertRunner, CapturedLayer
-from moe_serve.engine.kv.paged_attention import PREFILL_RUN_MIN_QUERIES
+from moe_serve.engine.kv.paged_attention import PREFILL_RUN_MIN_QUERIES, paged_attention_supported
 from moe_serve.engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.models.blocks import AttentionHook
@@ -218,9 +218,13 @@ class GraphedBatchStep:
     def __init__(self, model: torch.nn.Module, cache: PagedKVCache, runner: CachedExpertRunner | None,
                  max_num_seqs: int, max_num_batched_tokens: int, max_blocks: int) -> None:
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
         self.max_tokens = batch_bucket(max_num_batched_tokens) or BATCH_BUCKETS[-1]
         self.capture = GraphCapture(model, runner, 4 * self.max_tokens + self.max_batch * (1 + max_blocks))
+        # the Triton attention reads every bound from the device, so one capture serves any span; the
+        # torch path gathers a host-sized span, and each span bucket is its own capture
+        self.spans_differ = not paged_attention_supported(cache.keys[0, :0, 0], cache.keys[0], cache.values[0])
 
     def accepts(self, chunk_lengths: list[int]) -> bool:
         """Whether a step of chunks of these lengths replays a graph."""
@@ -243,7 +247,7 @@ class GraphedBatchStep:
         tables[:] = 0
         for row, table in enumerate(layout.tables):
             tables[row, : len(table)] = table
-        span = span_bucket(layout.max_span, max_model_len)
+        span = span_bucket(layout.max_span if self.spans_differ else max_model_len, max_model_len)
 
         def forward_static(inputs: torch.Tensor) -> torch.Tensor:
             ids_, positions, slots, query_seq = inputs[: 4 * tp].view(4, tp)
@@ -252,3 +256,35 @@ class GraphedBatchStep:
             return self.model.forward_batch(ids_, step, None, logit_rows)  # [sp, V]
 
         return self.capture.run((tp, sp, span), 4 * tp + sp + sp * w, t, None, forward_static)[: len(rows)]
+
+    def capture_shapes(self, max_model_len: int) -> int:
+        """Capture every step shape this engine can replay, before serving; returns how many.
+
+        A shape first met in service is captured there, and its warm-up compiles the Triton kernels
+        specialised on it (the expert layout per power of two of pairs, ~1 s each): every sequence in
+        that step waits, ~2.6 s once in a 32-client load test. Offloaded experts keep capturing on
+        first use: their warm-up forwards would fill the expert cache with what dummy tokens route to,
+        and their steps cost tens of milliseconds of copies anyway."""
+        if self.capture.piecewise:
+            return 0
+        block_size, count = self.cache.keys.shape[2], 0
+        for lengths in step_shapes(self.max_num_seqs, self.max_num_batched_tokens):
+            if self.accepts(lengths):
+                # positions 0.. over the first blocks, shared by every sequence: what they write is never read
+                layout = StepLayout.of([(list(range(-(-n // block_size))), 0, n) for n in lengths], block_size)
+                self.forward([0] * sum(lengths), layout, list(range(len(lengths))), max_model_len)
+                count += 1
+        return count
+
+
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[list[int]]:
+    """One step's chunk lengths for each (token bucket, sequence bucket) a scheduler within these
+    limits can form from chunks short enough to replay (each under PREFILL_RUN_MIN_QUERIES tokens)."""
+    shapes = []
+    for seq_bucket in BATCH_BUCKETS:
+        seqs = min(seq_bucket, max_num_seqs, max_num_batched_tokens)
+        for token_bucket in BATCH_BUCKETS:
+            tokens = min(token_bucket, max_num_batched_tokens, seqs * (PREFILL_RUN_MIN_QUERIES - 1))
+            if tokens >= seqs and batch_bucket(tokens) == token_bucket and batch_bucket(seqs) == seq_bucket:
+                shapes.append([tokens // seqs + (row < tokens % seqs) for row in range(seqs)])
+    return shapes

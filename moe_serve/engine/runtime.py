@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
@@ -229,6 +230,11 @@ def build_runtime(config: EngineConfig) -> Runtime:
     if _graphable(config, loaded.model, paged.keys, runner):
         batch_graphs = GraphedBatchStep(loaded.model, paged, runner, config.max_num_seqs,
                                         config.max_num_batched_tokens, blocks_for(max_len, KV_BLOCK_SIZE))
+        started = time.perf_counter()
+        captured = batch_graphs.capture_shapes(max_len)
+        if runner is not None:
+            runner.cache.stats.clear()
+        log.info("captured CUDA graphs of %d batched step shapes in %.1f s", captured, time.perf_counter() - started)
     batch_runner = ModelRunner(loaded.model, paged, max_len, on_forward=recorder.begin_forward if recorder else None,
                                graphs=batch_graphs)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from moe_serve.engine.config import EngineConfig
-from moe_serve.engine.graphs import span_bucket
+from moe_serve.engine.graphs import batch_bucket, span_bucket, step_shapes
+from moe_serve.engine.kv.paged_attention import PREFILL_RUN_MIN_QUERIES
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.runtime import build_runtime
 from tests.tiny_checkpoints import build_tiny_checkpoint
@@ -42,6 +43,43 @@ def test_span_buckets():
     assert span_bucket(1, 4096) == 256
     assert span_bucket(257, 4096) == 512
     assert span_bucket(3000, 2048) == 2048
+
+
+@pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens", [(64, 2048), (5, 40), (1, 300), (200, 150)])
+def test_step_shapes_cover_every_step_a_scheduler_can_form(max_num_seqs, max_num_batched_tokens):
+    shapes = step_shapes(max_num_seqs, max_num_batched_tokens)
+    buckets = [(batch_bucket(sum(lengths)), batch_bucket(len(lengths))) for lengths in shapes]
+    assert len(set(buckets)) == len(buckets)  # one step per shape
+    for lengths in shapes:
+        assert len(lengths) <= max_num_seqs and sum(lengths) <= max_num_batched_tokens
+        assert 1 <= min(lengths) and max(lengths) < PREFILL_RUN_MIN_QUERIES
+    reachable = {(batch_bucket(t), batch_bucket(s))
+                 for s in range(1, max_num_seqs + 1)
+                 for t in range(s, min(s * (PREFILL_RUN_MIN_QUERIES - 1), max_num_batched_tokens) + 1)
+                 if batch_bucket(t) is not None}  # more tokens than the largest bucket run eagerly
+    assert set(buckets) == reachable
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_batched_step_shapes_are_captured_at_start_up(tmp_path):
+    from moe_serve.engine.core import EngineCore
+    from moe_serve.engine.messages import GenerateRequest, SamplingParams
+
+    path = str(build_tiny_checkpoint("qwen3_moe", tmp_path / "m"))
+    core = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", max_num_seqs=8,
+                                   max_num_batched_tokens=64))
+    graphs = core.runtime.batch_runner.graphs.capture.graphs
+    captured = set(graphs)
+    assert len(captured) == len(step_shapes(8, 64))
+    assert core.runtime.generation_stats(ttft_seconds=None, tpot_seconds=None)["expert_hits"] == 0
+    for i in range(8):
+        prompt = tuple(PROMPT[: 2 + i % 5]) * (1 + i) if i else tuple(PROMPT) * 30
+        assert core.add_request(GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0))) is None
+    while core.has_unfinished():
+        core.step()
+    assert set(graphs) == captured  # served without a capture
+    assert not core.runtime.batch_runner.graphs.spans_differ  # Triton attention: one capture serves any span
+    core.close()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -95,6 +95,11 @@ class ExpertStats:
         for ev in placement.evictions:
             self._add(ev.key[0], {"evictions": 1, "prefetch_wasted": int(ev.wasted_prefetch)})
 
+    def clear(self) -> None:
+        """Forget what was counted (the start-up captures' forwards are not service)."""
+        with self._lock:
+            self._layers = [LayerStats() for _ in self._layers]
+
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             return StatsSnapshot(per_layer=tuple(replace(s) for s in self._layers))
