@@ -20,11 +20,14 @@ and saturation those rows' floor is an upper bound (the kernel reads each distin
 
 The first row also times the single-sequence path the engine used before batching
 (PlainDecoder over a BoundModel, CUDA-graphed) on the same prompt: bs=1 must not get slower.
+--bs1-rounds N then alternates the two, N rounds of one run each, and reports the median of the
+rounds' ratios (a host-bound step drifts more between two long runs than the 5% asked).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -96,7 +99,7 @@ def sync(core: EngineCore) -> None:
 
 
 def row(config: EngineConfig, prompts: list[list[int]], batch: int, tokens: int, model_dir: Path,
-        dtype: torch.dtype, bw, single: bool) -> dict:
+        dtype: torch.dtype, bw, single: bool, bs1_rounds: int = 0) -> dict:
     core = EngineCore(replace(config, max_num_seqs=max(batch, 1)))
     try:
         batch_decode(core, prompts[:batch], tokens, "warm-up")
@@ -124,6 +127,16 @@ def row(config: EngineConfig, prompts: list[list[int]], batch: int, tokens: int,
             result["single_sequence_tpot_ms"] = 1e3 * tpot
             result["batched_bs1_tpot_ms"] = 1e3 * run["decode_s"] / steps
             result["single_sequence_same_tokens"] = single_tokens == run["tokens"]["timed-0"]
+            # a host-bound step drifts between two long runs by more than 5%: alternate the two
+            # paths in short rounds and compare each round's pair
+            rounds = []
+            for r in range(bs1_rounds):
+                again = batch_decode(core, prompts[:1], tokens, f"bs1-{r}")
+                rounds.append((1e3 * again["decode_s"] / max(1, again["decode_steps"]),
+                               1e3 * single_sequence_tpot(core, prompts[0], tokens)[0]))
+            if rounds:
+                result["bs1_rounds_tpot_ms"] = rounds  # (batched, single-sequence) per round
+                result["bs1_batched_over_single_median"] = statistics.median(b / s for b, s in rounds)
         result["first_tokens"] = run["tokens"]["timed-0"][:16]
         return result
     finally:
@@ -146,6 +159,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--expert-mb", type=float, default=352.0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--bs1-rounds", type=int, default=0,
+                        help="bs=1 first: then this many rounds alternating the batched and single-sequence paths")
     parser.add_argument("--work", default=str(REPO / ".out" / "bench-models"))
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
@@ -186,7 +201,8 @@ def main(argv: list[str] | None = None) -> None:
               "torch": torch.__version__, "rows": []}
     for i, batch in enumerate(args.batches):
         try:
-            result = row(config, prompts, batch, args.tokens, model_dir, dtype, bw, single=i == 0)
+            result = row(config, prompts, batch, args.tokens, model_dir, dtype, bw, single=i == 0,
+                         bs1_rounds=args.bs1_rounds if batch == 1 else 0)
         except Exception as exc:  # noqa: BLE001 - a failed row is reported, the others still run
             result = {"batch": batch, "error": f"{type(exc).__name__}: {exc}"}
         report["rows"].append(result)
