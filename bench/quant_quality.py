@@ -5,7 +5,7 @@
 
 Everything runs through the engine's own model: one Runtime per `--expert-quant` format
 (build_runtime(EngineConfig(expert_quant=...)), what EngineCore and the server build), so the
-experts are encoded at load, kept quantized in the store and the cache slots, and decoded by the
+experts are encoded at load, kept quantized in the store and the expert slots, and decoded by the
 format's own code in the expert compute (on the CPU the reference dequantization, on the GPU the
 Triton kernels). Every other weight, and the arithmetic, is fp32 on the CPU (the engine's CPU
 dtype), bf16 on the GPU. Both measurements use the runtime's one-sequence path (Runtime.target, a

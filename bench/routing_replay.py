@@ -4,7 +4,7 @@
     python bench/routing_replay.py --model /tmp/smoke/default --prompts 2 --tokens 8 --out /tmp/replay
 
 Greedy-decodes held-out stdlib prompts through the engine with a RoutingRecorder on the expert
-runner (moe_serve/engine/trace.py), then replays the trace through the cache's own SlotTable and policies
+runner (moe_serve/engine/trace.py), then replays the trace through the cache's own ExpertSlotTable and policies
 (moe_serve/engine/replay.py): LRU, LFU and MRS, with and without the next-layer predictor, at 2, 4 and 6
 expert slots per MoE layer. Writes routing_replay.json and routing_replay.md.
 

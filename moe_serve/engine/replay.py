@@ -1,4 +1,4 @@
-"""Replay a routing trace through the expert cache's own SlotTable and policies (no torch, no GPU).
+"""Replay a routing trace through the expert cache's own ExpertSlotTable and policies (no torch, no GPU).
 
     python -m moe_serve.engine.replay TRACE --slots-per-layer 2,4,6 --policies lru,lfu,mrs --predictors none,next-layer
     python -m moe_serve.engine.replay TRACE --budget-experts 64,128 --json
@@ -26,7 +26,7 @@ from itertools import groupby
 from pathlib import Path
 
 from moe_serve.engine.experts.policies import POLICY_NAMES, EvictionPolicy, Key, LRUPolicy, make_policy
-from moe_serve.engine.experts.slots import SlotTable
+from moe_serve.engine.experts.expert_slots import ExpertSlotTable
 from moe_serve.engine.experts.stats import ExpertStats, LayerStats
 
 PREDICTORS = ("none", "next-layer")
@@ -143,7 +143,7 @@ def _policy(name: str, trace: Trace) -> EvictionPolicy:
 
 def simulate(trace: Trace, capacity: int, policy: str, predictor: str) -> ExpertStats:
     """Counters (bytes counted in experts) of the live cache on this trace, prefetches landing at once."""
-    table = SlotTable(capacity, _policy(policy, trace))
+    table = ExpertSlotTable(capacity, _policy(policy, trace))
     stats = ExpertStats(trace.num_layers)
     guesses: dict[int, list[int]] = {}
     for run in trace.runs:
@@ -161,13 +161,13 @@ def simulate(trace: Trace, capacity: int, policy: str, predictor: str) -> Expert
     return stats
 
 
-def _waves(table: SlotTable, stats: ExpertStats, run: LayerRun) -> Iterator[list[Key]]:
+def _waves(table: ExpertSlotTable, stats: ExpertStats, run: LayerRun) -> Iterator[list[Key]]:
     """Plan one wave after another; yields each wave's pinned keys for the caller to release."""
     remaining: list[Key] = [(run.layer, e) for e in run.experts]
     while remaining:
         plan = table.plan_wave(remaining)
         if not plan.hits and not plan.misses.placed:
-            raise RuntimeError(f"no slot can be freed for layer {run.layer}")
+            raise RuntimeError(f"no expert slot can be freed for layer {run.layer}")
         for key, _ in plan.misses.placed:
             table.complete(key)
         stats.add_wave(run.layer, plan, expert_bytes=1)
@@ -175,7 +175,7 @@ def _waves(table: SlotTable, stats: ExpertStats, run: LayerRun) -> Iterator[list
         remaining = plan.misses.unplaced
 
 
-def _prefetch(table: SlotTable, stats: ExpertStats, layer: int, experts: Sequence[int]) -> None:
+def _prefetch(table: ExpertSlotTable, stats: ExpertStats, layer: int, experts: Sequence[int]) -> None:
     placement = table.place([(layer, e) for e in experts if (layer, e) not in table], pin=False, prefetched=True)
     for key, _ in placement.placed:
         table.complete(key)
@@ -227,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_serve.engine.replay", description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="JSONL written by --record-routing")
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--slots-per-layer", type=_int_list, help="cache sizes as slots per MoE layer, e.g. 2,4,6")
+    size.add_argument("--slots-per-layer", type=_int_list, help="cache sizes as expert slots per MoE layer, e.g. 2,4,6")
     size.add_argument("--budget-experts", type=_int_list, help="cache sizes in experts, e.g. 64,128")
     parser.add_argument("--policies", type=_names(REPLAY_POLICIES), default=list(REPLAY_POLICIES),
                         help=f"comma-separated, from {','.join(REPLAY_POLICIES)} (default: all)")

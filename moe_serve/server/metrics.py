@@ -83,18 +83,18 @@ class EngineSnapshotCollector(Collector):
 
 
 def _moe_families(s: MetricsSnapshot) -> Iterator[Metric]:
-    yield _per_layer("moe_expert_cache_hits", "Routed-expert lookups found in a GPU cache slot.",
+    yield _per_layer("moe_expert_cache_hits", "Routed-expert lookups found in a GPU expert slot.",
                      s.cache_hits_per_layer)
     yield _per_layer("moe_expert_cache_misses", "Routed-expert lookups that needed a host-to-GPU copy.",
                      s.cache_misses_per_layer)
-    yield GaugeMetricFamily("moe_expert_cache_resident_experts", "Experts resident in GPU cache slots.",
+    yield GaugeMetricFamily("moe_expert_cache_resident_experts", "Experts resident in GPU expert slots.",
                             value=s.resident_experts)
     if s.expert_format:
         info = GaugeMetricFamily("moe_expert_format_info", "The routed experts' format (1 on the one in use).",
                                  labels=["format"])
         info.add_metric([s.expert_format], 1)
         yield info
-        yield GaugeMetricFamily("moe_expert_bytes", "Bytes of one expert in its format: one cache slot, one copy.",
+        yield GaugeMetricFamily("moe_expert_bytes", "Bytes of one expert in its format: one expert slot, one copy.",
                                 value=s.expert_bytes)
     yield _labelled("moe_pcie_bytes", "Expert bytes copied host-to-GPU.", "kind",
                     {"demand": s.pcie_bytes_demand, "prefetch": s.pcie_bytes_prefetch})

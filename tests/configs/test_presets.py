@@ -119,8 +119,8 @@ def test_budget_weights_and_kv_fit_the_card(preset: Path) -> None:
     assert plan.total_bytes <= plan.usable_bytes
     assert plan.expert_bytes == parse_bytes(engine.gpu_expert_budget) < plan.all_expert_bytes
     assert plan.kv_bytes == parse_bytes(engine.kv_cache_memory)
-    slot = target.expert_layout(BF16).nbytes
-    assert plan.expert_bytes // slot >= target.num_experts  # at least a whole layer's experts
+    expert_slot_bytes = target.expert_layout(BF16).nbytes
+    assert plan.expert_bytes // expert_slot_bytes >= target.num_experts  # at least a whole layer's experts
     # max-num-seqs: what the paged KV cache holds at 512 tokens each
     tokens = plan.kv_bytes // kv_bytes_per_token(target, BF16)
     assert engine.max_num_seqs * 512 <= tokens
@@ -166,8 +166,8 @@ def test_mistral_7b_leaves_mixtral_almost_no_expert_slots_on_24_gb() -> None:
     engine = EngineConfig(model="x", spec="draft", draft="y", max_model_len=4096, max_num_seqs=32,
                           kv_cache_memory=str(one_sequence))
     plan = plan_memory(engine, mixtral, mistral, BF16, 4096, KV_BLOCK_SIZE, 24 * 10**9, CUDA_CONTEXT)
-    slots = plan.expert_bytes // mixtral.expert_layout(BF16).nbytes
-    assert slots == 2 and slots / (mixtral.num_moe_layers * mixtral.num_experts) < 0.01
+    expert_slots = plan.expert_bytes // mixtral.expert_layout(BF16).nbytes
+    assert expert_slots == 2 and expert_slots / (mixtral.num_moe_layers * mixtral.num_experts) < 0.01
     assert f"{(plan.usable_bytes - plan.total_bytes + plan.expert_bytes + plan.kv_bytes) / GIB:.1f} GiB left" in (
         CONFIGS / "mixtral-8x7b-24gb.yaml").read_text()
 

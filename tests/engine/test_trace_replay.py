@@ -34,7 +34,7 @@ def _replay_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> list[di
 def test_lru_hit_rates_match_a_hand_computation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "t.jsonl"
     trace.write_text("\n".join(_line(step, 0, [e]) for step, e in enumerate([0, 1, 0, 2, 1, 0])) + "\n")
-    # 2 slots: m m h m(evict 1) m(evict 0) m(evict 2) -> 1/6; 3 slots: m m h m h h -> 3/6
+    # 2 expert slots: m m h m(evict 1) m(evict 0) m(evict 2) -> 1/6; 3: m m h m h h -> 3/6
     results = _replay_json([str(trace), "--budget-experts", "2,3", "--policies", "lru", "--predictors", "none"], capsys)
     assert [(r["capacity"], r["hits"], r["misses"], r["evictions"]) for r in results] == [(2, 1, 5, 3), (3, 3, 3, 0)]
     assert results[0]["hit_rate"] == pytest.approx(1 / 6)
@@ -42,7 +42,7 @@ def test_lru_hit_rates_match_a_hand_computation(tmp_path: Path, capsys: pytest.C
 
 
 def test_a_cyclic_scan_beats_lru_and_next_use_matches_the_optimum(tmp_path: Path) -> None:
-    """Three layers, one expert each per forward, two slots: LRU (and MRS) evict what comes next
+    """Three layers, one expert each per forward, two expert slots: LRU (and MRS) evict what comes next
     and never hit. The optimum evicts the layer that just ran: after 3 cold misses every other run
     hits. Next-use does the same once its rates have settled (3 more misses in the first forwards)."""
     trace = tmp_path / "t.jsonl"
@@ -89,7 +89,7 @@ def test_cli_prints_a_table_per_slots_per_layer(tmp_path: Path) -> None:
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].split()[:4] == ["policy", "predictor", "slots", "hit"]
     assert len(out) == 1 + 2 * 5 * 2  # capacities x policies (opt included) x predictors
-    assert {line.split()[2] for line in out[1:]} == {"2", "4"}  # slots per layer x 2 layers
+    assert {line.split()[2] for line in out[1:]} == {"2", "4"}  # expert slots per layer x 2 layers
 
 
 @pytest.mark.parametrize("policy", ["lru", "mrs", "next-use"])

@@ -1,1 +1,1 @@
-"""Where routed experts live and move: pinned CPU store -> PCIe copies -> GPU cache slots."""
+"""Where routed experts live and move: pinned CPU store -> PCIe copies -> GPU expert slots."""

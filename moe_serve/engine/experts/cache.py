@@ -2,10 +2,10 @@
 
 Hazards on CUDA and how each is ordered without a global synchronize:
   * read-after-write: every copy records its own event; compute waits on that event on its own
-    stream (`current_stream().wait_event`) right before reading the slot;
-  * write-after-read: when compute releases a slot it records a marker on the compute stream;
-    the next copy into that slot makes its copy stream wait on the marker first;
-  * write-after-write: a slot whose copy is in flight is never chosen as a victim.
+    stream (`current_stream().wait_event`) right before reading the expert slot;
+  * write-after-read: when compute releases an expert slot it records a marker on the compute
+    stream; the next copy into that expert slot makes its copy stream wait on the marker first;
+  * write-after-write: an expert slot whose copy is in flight is never chosen as a victim.
 On CPU copies are plain synchronous copies and a HostReady plays the CUDA event's part.
 Only the compute thread calls the cache (prefetches included), so it holds no lock.
 """
@@ -21,10 +21,10 @@ import torch
 
 from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.experts.policies import EvictionPolicy, Key
-from moe_serve.engine.experts.slots import SlotTable
+from moe_serve.engine.experts.expert_slots import ExpertSlotTable
 from moe_serve.engine.experts.stats import ExpertStats
 
-CopyFn = Callable[[torch.Tensor, torch.Tensor], None]  # (dst slot row, src host row)
+CopyFn = Callable[[torch.Tensor, torch.Tensor], None]  # (dst expert-slot row, src host row)
 
 
 def copy_row(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -50,22 +50,22 @@ class Ready(Protocol):
 
 
 def cache_capacity(budget: int | float | None, total_experts: int, expert_bytes: int, top_k: int) -> int:
-    """Slots for a budget in bytes (int) or as a fraction of all expert bytes (float); None = all."""
+    """Expert slots for a budget in bytes (int) or as a fraction of all expert bytes (float); None = all."""
     if budget is None:
-        slots = total_experts
+        expert_slots = total_experts
     elif isinstance(budget, float):
-        slots = int(budget * total_experts)
+        expert_slots = int(budget * total_experts)
     else:
-        slots = budget // expert_bytes
-    if slots < top_k:
+        expert_slots = budget // expert_bytes
+    if expert_slots < top_k:
         need = top_k * expert_bytes
         shown = f"{budget:.4g} of all expert bytes" if isinstance(budget, float) else f"{budget} bytes"
         raise ValueError(
-            f"GPU expert budget {shown} holds {slots} experts of {expert_bytes} bytes, but one token "
+            f"GPU expert budget {shown} holds {expert_slots} experts of {expert_bytes} bytes, but one token "
             f"needs top_k={top_k} experts in a layer: the minimum budget is {need} bytes "
             f"({need / 2**30:.3f} GiB)"
         )
-    return min(slots, total_experts)
+    return min(expert_slots, total_experts)
 
 
 class HostReady:
@@ -129,7 +129,7 @@ class _HostCopier:
         return ready.error is not None
 
     def release_marker(self) -> None:
-        return None  # CPU compute is synchronous: a released slot is no longer being read
+        return None  # CPU compute is synchronous: a released expert slot is no longer being read
 
     def drain_waits(self) -> list[tuple[int, float]]:
         waits, self._waits = self._waits, []
@@ -190,16 +190,16 @@ class Wave:
 
     layer: int
     keys: list[Key]
-    slots: dict[int, int]  # expert -> slot index, for compute that gathers by slot
+    expert_slots: dict[int, int]  # expert -> expert slot index, for compute that gathers by expert slot
     pending: dict[int, Ready]  # experts whose copy compute must wait for first -> that copy
-    leftover: list[int]  # experts that found no slot: the next wave
-    allocation: torch.Tensor  # the cache's slots [S, numel]
+    leftover: list[int]  # experts that found no expert slot: the next wave
+    allocation: torch.Tensor  # the cache's expert slots [S, numel]
 
     def rows(self, *, landed: bool) -> dict[int, torch.Tensor]:
-        """expert -> slot row [numel] of the experts readable at once (landed) or only after
+        """expert -> expert-slot row [numel] of the experts readable at once (landed) or only after
         `wait_pending` (not landed). Views are made here, not per acquire: one-token compute
-        gathers by slot and never needs them."""
-        return {e: self.allocation[s] for e, s in self.slots.items() if (e not in self.pending) == landed}
+        gathers by expert slot and never needs them."""
+        return {e: self.allocation[s] for e, s in self.expert_slots.items() if (e not in self.pending) == landed}
 
 
 class ExpertCache:
@@ -211,25 +211,26 @@ class ExpertCache:
         self.capacity = cache_capacity(budget, total, self.layout.nbytes, top_k)
         self.stats = ExpertStats(store.num_layers)
         self._store = store
-        self._slots = torch.empty(self.capacity, self.layout.numel, dtype=self.layout.row_dtype,
-                                  device=self.device)  # [S, numel]: rows in the store's format
-        self._table = SlotTable(self.capacity, policy)
+        self._expert_slots = torch.empty(self.capacity, self.layout.numel, dtype=self.layout.row_dtype,
+                                         device=self.device)  # [S, numel]: rows in the store's format
+        self._table = ExpertSlotTable(self.capacity, policy)
         cuda = self.device.type == "cuda"
         self._copier = _CudaCopier(self.device, copy_fn) if cuda else _HostCopier(copy_fn)
         self._ready: dict[Key, Ready] = {}  # copy handle of each in-flight key
-        self._released: dict[int, torch.cuda.Event] = {}  # slot -> marker after its last read
-        # every expert resident: a device-side (layer, expert) -> slot map lets compute skip the host
-        self.resident_slots: torch.Tensor | None = None  # [L, E] int64 on device
+        self._released: dict[int, torch.cuda.Event] = {}  # expert slot -> marker after its last read
+        # every expert resident: a device-side (layer, expert) -> expert slot map lets compute skip the host
+        self.resident_expert_slots: torch.Tensor | None = None  # [L, E] int64 on device
         if self.capacity == total:
             self._preload(store.num_layers, store.num_experts)
-            self.resident_slots = torch.tensor(
-                [[self._table.slot_of((l, e)) for e in range(store.num_experts)] for l in range(store.num_layers)],
+            self.resident_expert_slots = torch.tensor(
+                [[self._table.expert_slot_of((l, e)) for e in range(store.num_experts)]
+                 for l in range(store.num_layers)],
                 dtype=torch.long, device=self.device)
 
     @property
-    def slots(self) -> torch.Tensor:
-        """The slot allocation [S, numel] (compute reads rows of it)."""
-        return self._slots
+    def expert_slots(self) -> torch.Tensor:
+        """The expert slots, one allocation [S, numel] (compute reads rows of it)."""
+        return self._expert_slots
 
     @property
     def resident_experts(self) -> int:
@@ -259,7 +260,7 @@ class ExpertCache:
                 break
             blocker = self._oldest_in_flight()
             try:
-                blocker.synchronize()  # every unpinned slot is still being filled: let one land
+                blocker.synchronize()  # every unpinned expert slot is still being filled: let one land
             except RuntimeError:
                 pass  # that prefetch failed (raised where it started): the refresh drops it
         try:
@@ -271,7 +272,7 @@ class ExpertCache:
 
     @property
     def kept(self) -> int:
-        """Experts a streamed span keeps (SlotTable.keep), resident or being copied."""
+        """Experts a streamed span keeps (ExpertSlotTable.keep), resident or being copied."""
         return self._table.kept
 
     def keep(self, layer: int, experts: Sequence[int]) -> None:
@@ -304,21 +305,22 @@ class ExpertCache:
         for key in wave.keys:
             self._table.unpin(key)
             if marker is not None:
-                self._released[self._table.slot_of(key)] = marker
+                self._released[self._table.expert_slot_of(key)] = marker
 
     def prefetch(self, keys: Sequence[Key], *, within_room: bool = False) -> None:
         """Start copying the non-resident (layer, expert) `keys` ahead of need, in order, on the
-        prefetch stream; the resident ones are kept for that need (SlotTable.expect). One call
+        prefetch stream; the resident ones are kept for that need (ExpertSlotTable.expect). One call
         for many layers costs one placement: per call the host work was ~40-90 us.
 
-        `within_room`: only as many as SlotTable.room allows now; the others are neither copied nor
-        counted as dropped (a streamed layer's tail asks again as each of its waves frees slots)."""
+        `within_room`: only as many as ExpertSlotTable.room allows now; the others are neither copied
+        nor counted as dropped (a streamed layer's tail asks again as each of its waves frees expert
+        slots)."""
         self._table.expect(keys)
         wanted = [key for key in keys if key not in self._table]
         if not wanted:  # all resident or in flight: the common case while drafting, kept cheap
             return
-        if within_room or self._table.free_slots < len(wanted):  # landed copies become evictable (an event query each)
-            self._refresh_in_flight()
+        if within_room or self._table.free_expert_slots < len(wanted):
+            self._refresh_in_flight()  # landed copies become evictable (an event query each)
         if within_room:
             wanted = wanted[: self._table.room()]
             if not wanted:
@@ -335,13 +337,13 @@ class ExpertCache:
 
     def _wave(self, layer: int, hits: list[Key], placed: list[tuple[Key, int]], unplaced: list[Key]) -> Wave:
         keys = hits + [k for k, _ in placed]
-        return Wave(layer=layer, keys=keys, slots={key[1]: self._table.slot_of(key) for key in keys},
+        return Wave(layer=layer, keys=keys, expert_slots={key[1]: self._table.expert_slot_of(key) for key in keys},
                     pending={key[1]: self._ready[key] for key in keys if self._table.is_in_flight(key)},
-                    leftover=[k[1] for k in unplaced], allocation=self._slots)
+                    leftover=[k[1] for k in unplaced], allocation=self._expert_slots)
 
     def _start_copies(self, placed: list[tuple[Key, int]], *, demand_layer: int | None) -> Callable[[], None]:
-        pairs = [(self._slots[slot], self._store.row(*key)) for key, slot in placed]
-        markers = {id(m): m for m in (self._released.get(slot) for _, slot in placed) if m is not None}
+        pairs = [(self._expert_slots[expert_slot], self._store.row(*key)) for key, expert_slot in placed]
+        markers = {id(m): m for m in (self._released.get(expert_slot) for _, expert_slot in placed) if m is not None}
         try:
             readies, work = self._copier.start(pairs, list(markers.values()), demand_layer=demand_layer)
         except BaseException:
@@ -364,7 +366,7 @@ class ExpertCache:
 
     def _oldest_in_flight(self) -> Ready:
         if not self._ready:
-            raise RuntimeError(f"no expert cache slot can be freed: all {self.capacity} slots are pinned")
+            raise RuntimeError(f"no expert slot can be freed: all {self.capacity} expert slots are pinned")
         return next(iter(self._ready.values()))
 
     def _preload(self, num_layers: int, num_experts: int) -> None:

@@ -50,48 +50,49 @@ def accumulate_experts(
         start += count
 
 
-def reads_slots_in_place(x: torch.Tensor, slots: torch.Tensor, layout: ExpertLayout) -> bool:
-    """Whether gathered_experts runs the Triton kernels, which read the routed slots where they lie
-    (any number of tokens then costs no copy of weight rows); otherwise it gathers T*k rows."""
+def reads_expert_slots_in_place(x: torch.Tensor, expert_slots: torch.Tensor, layout: ExpertLayout) -> bool:
+    """Whether gathered_experts runs the Triton kernels, which read the routed expert slots where
+    they lie (any number of tokens then costs no copy of weight rows); otherwise it gathers T*k rows."""
     if not x.is_cuda:
         return False
     from moe_serve.engine.experts import fused_experts as fused  # imports triton: only on the GPU path
 
-    return fused.fused_experts_supported(x, slots, layout)  # the grouped kernel has the same requirements
+    return fused.fused_experts_supported(x, expert_slots, layout)  # the grouped kernel has the same requirements
 
 
 def gathered_experts(
-    x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+    x: torch.Tensor, expert_weights: torch.Tensor, expert_slots: torch.Tensor, expert_slot_ids: torch.Tensor,
     layout: ExpertLayout,
 ) -> torch.Tensor:
     """All routed experts of the tokens at once, with no host sync: graph-capturable.
 
-    x [T, H]; expert_weights/slot_ids [T, k] (each token's experts by the slot holding them);
-    slots [S, numel] holds every needed expert. Where the kernels read the routed slots in place
-    (reads_slots_in_place): from GROUPED_MIN_PAIRS (token, expert) pairs on, the grouped kernel,
-    which reads each slot once per block of its tokens; below, the fused GEMVs, one per pair. Both
-    decode quantized rows as they load them. Elsewhere the torch path gathers the rows: worth it
-    only while T*k is small (decode, short verify spans); long CPU prefills use accumulate_experts.
+    x [T, H]; expert_weights/expert_slot_ids [T, k] (each token's experts by the expert slot
+    holding them); expert_slots [S, numel] holds every needed expert. Where the kernels read the
+    routed expert slots in place (reads_expert_slots_in_place): from GROUPED_MIN_PAIRS (token,
+    expert) pairs on, the grouped kernel, which reads each expert slot once per block of its tokens;
+    below, the fused GEMVs, one per pair. Both decode quantized rows as they load them. Elsewhere
+    the torch path gathers the rows: worth it only while T*k is small (decode, short verify spans);
+    long CPU prefills use accumulate_experts.
     """
-    if reads_slots_in_place(x, slots, layout):
+    if reads_expert_slots_in_place(x, expert_slots, layout):
         from moe_serve.engine.experts import fused_experts as fused
         from moe_serve.engine.experts import grouped_experts as grouped
 
-        if slot_ids.numel() >= GROUPED_MIN_PAIRS:
-            return grouped.grouped_experts(x, expert_weights, slots, slot_ids, layout)
-        return fused.fused_experts(x, expert_weights, slots, slot_ids, layout)
-    return gathered_experts_torch(x, expert_weights, slots, slot_ids, layout)
+        if expert_slot_ids.numel() >= GROUPED_MIN_PAIRS:
+            return grouped.grouped_experts(x, expert_weights, expert_slots, expert_slot_ids, layout)
+        return fused.fused_experts(x, expert_weights, expert_slots, expert_slot_ids, layout)
+    return gathered_experts_torch(x, expert_weights, expert_slots, expert_slot_ids, layout)
 
 
 def gathered_experts_torch(
-    x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
+    x: torch.Tensor, expert_weights: torch.Tensor, expert_slots: torch.Tensor, expert_slot_ids: torch.Tensor,
     layout: ExpertLayout,
 ) -> torch.Tensor:
     """The reference and CPU path of gathered_experts: copy the T*k weight rows out of their
-    slots (decoding quantized ones), then two batched matmuls."""
-    t, k = slot_ids.shape
+    expert slots (decoding quantized ones), then two batched matmuls."""
+    t, k = expert_slot_ids.shape
     h = layout.hidden_size
-    rows = slots.index_select(0, slot_ids.reshape(-1))  # [T*k, numel]
+    rows = expert_slots.index_select(0, expert_slot_ids.reshape(-1))  # [T*k, numel]
     gate_up = layout.gate_up(rows)  # [T*k, 2I, H]
     down = layout.down(rows)  # [T*k, H, I]
     xk = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]

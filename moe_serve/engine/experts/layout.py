@@ -7,7 +7,7 @@ A row holds the fused gate+up projection [2I, H] (gate rows first) and the down 
 
 Each section starts on a 16-byte boundary and the row is padded to one, so in any row of a
 [S, row] allocation every section views as its own dtype (and the kernels' loads stay aligned).
-One row means one expert moves host->device in one copy and occupies exactly one cache slot: the
+One row means one expert moves host->device in one copy and occupies exactly one expert slot: the
 store, the cache and the copies only ever see rows; compute decodes them through the layout.
 """
 from __future__ import annotations
@@ -87,7 +87,7 @@ class ExpertLayout:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of one expert's row: what one cache slot holds and one miss copies."""
+        """Bytes of one expert's row: what one expert slot holds and one miss copies."""
         return _aligned(max(s.offset + s.nbytes for s in self.sections.values()))
 
     @property
@@ -153,10 +153,11 @@ class ExpertLayout:
         found = self.sections.get(section)
         return 0 if found is None else found.offset // found.dtype.itemsize
 
-    def kernel_views(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """slots [S, numel] as the data's elements and as the scales' (the data view again when there
-        are none): two views of one allocation, which the kernels index with element_offset."""
-        raw = slots.view(torch.uint8)
+    def kernel_views(self, expert_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """expert_slots [S, numel] as the data's elements and as the scales' (the data view again
+        when there are none): two views of one allocation, which the kernels index with
+        element_offset."""
+        raw = expert_slots.view(torch.uint8)
         data = raw.view(self.format.data_dtype)
         return data, data if self.format.scale_dtype is None else raw.view(self.format.scale_dtype)
 

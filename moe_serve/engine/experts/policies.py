@@ -1,7 +1,7 @@
-"""Eviction policies of the expert cache: which resident expert leaves when a slot is needed.
+"""Eviction policies of the expert cache: which resident expert leaves when an expert slot is needed.
 
-Plain Python, no torch: the live ExpertCache (through SlotTable) and the offline replay use the
-same objects, so a hit rate measured by replay is the hit rate the server would see.
+Plain Python, no torch: the live ExpertCache (through ExpertSlotTable) and the offline replay use
+the same objects, so a hit rate measured by replay is the hit rate the server would see.
 
 LFU and MRS rank candidates by a tuple whose last element is the last-use stamp, so their ties
 fall back to LRU (temporal locality dominates MoE routing, see the EBCO report).
@@ -152,11 +152,11 @@ class NextUsePolicy(LRUPolicy):
     over the layer's runs (weight `alpha` for the newest, ~20 runs of memory), kept across
     evictions like LFU's counts and started at top_k / E, the uniform router's rate. Ties -> LRU.
 
-    Choosing victims must not cost a scan of the whole cache per miss (thousands of slots for
-    128-expert models): every run of a layer decays all its rates alike, so within a layer the
-    order by rate only changes when a key is used. Each layer keeps a heap in that order (stale
-    entries skipped, compacted when they pile up); a victim is the layer front with the largest
-    estimate.
+    Choosing victims must not cost a scan of the whole cache per miss (thousands of expert
+    slots for 128-expert models): every run of a layer decays all its rates alike, so within a
+    layer the order by rate only changes when a key is used. Each layer keeps a heap in that order
+    (stale entries skipped, compacted when they pile up); a victim is the layer front with the
+    largest estimate.
     """
 
     def __init__(self, num_layers: int, prior: float, alpha: float = 0.05) -> None:

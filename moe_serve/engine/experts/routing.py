@@ -1,7 +1,7 @@
 """What a model's router hands to the expert side, and the interface that runs routed experts.
 
 Models decide *which* experts and with what weights (family-specific softmax/top-k/normalise);
-an ExpertRunner decides *where* the weights come from (resident slot, demand copy, prefetch).
+an ExpertRunner decides *where* the weights come from (resident expert slot, demand copy, prefetch).
 """
 from __future__ import annotations
 

@@ -9,14 +9,14 @@ layer needs more experts than the cache can hold at once (a long verify pass, a 
 runs in waves: fill, compute, unpin, refill. A span of many tokens streams (streaming.py): it
 keeps a share of the cache resident from one streamed step to the next and streams the other
 experts through the rest in double-buffered waves, its kept experts first; its guess is the next
-layer's whole ranking, copied into the slots its last waves free, so the next layer's copies fly
-while this one finishes. Neither caching, streaming nor the CPU changes the math.
+layer's whole ranking, copied into the expert slots its last waves free, so the next layer's
+copies fly while this one finishes. Neither caching, streaming nor the CPU changes the math.
 
 A short span (a decode token, a draft, a verify pass) replayed as piecewise CUDA graphs
 (moe_serve/engine/graphs.py) does the same host work between two graphs: `capturing` splits the capture at
 each layer's expert call, `replay_layer` reads the routing, makes the layer's experts resident in
-one wave and writes their slots for the next graph; a span that needs every expert of the model
-streams eagerly instead (can_replay). A self-draft (LayerRouting.candidates) runs
+one wave and writes their expert slots for the next graph; a span that needs every expert of the
+model streams eagerly instead (can_replay). A self-draft (LayerRouting.candidates) runs
 the resident experts of its top-k first. `recording` collects the experts each layer ran (the
 verify pass's, which speculative decoding scores its expert predictions against).
 """
@@ -33,7 +33,7 @@ import torch
 
 from moe_serve.engine.config import EngineConfig, parse_budget
 from moe_serve.engine.experts.cache import CopyFn, ExpertCache, ExpertSource, Wave, copy_row
-from moe_serve.engine.experts.compute import accumulate_experts, gathered_experts, reads_slots_in_place
+from moe_serve.engine.experts.compute import accumulate_experts, gathered_experts, reads_expert_slots_in_place
 from moe_serve.engine.experts.cpu_experts import (
     CPU_EXPERT_MODES,
     CpuExperts,
@@ -47,7 +47,7 @@ from moe_serve.engine.experts.routing import LayerRouting, resident_first
 from moe_serve.engine.experts.stats import StatsSnapshot
 from moe_serve.engine.experts.streaming import (
     MIN_WAVE_BYTES,
-    StreamSlots,
+    StreamExpertSlots,
     layer_waves,
     saturates,
     stream_guess,
@@ -84,14 +84,14 @@ class CapturedLayer:
     """One MoE layer of a piecewise-captured span of T tokens (see moe_serve/engine/graphs.py).
 
     The segment ending at this layer leaves its packed read-back in `readback`; the host decides
-    where the layer's experts are and writes their slots (and, for a self-draft, which experts)
-    into `index`, which the next segment's expert compute reads. Both keep fixed addresses."""
+    where the layer's experts are and writes their expert slots (and, for a self-draft, which
+    experts) into `index`, which the next segment's expert compute reads. Both keep fixed addresses."""
 
     layer: int
     k: int  # experts each token runs
     num_candidates: int  # a self-draft's top-k it picks them from (0: not a draft)
     readback: torch.Tensor  # flat, as _pack makes it
-    index: torch.Tensor  # [2, T, k] int64: the slot of each expert a token runs, then its expert id
+    index: torch.Tensor  # [2, T, k] int64: the expert slot of each expert a token runs, then its expert id
     guess: Guess | None
     # index's host side, pinned on CUDA; made at the first replay, as a pinned allocation is not
     # allowed while a stream captures; rewritten only after the next read-back's sync
@@ -150,14 +150,15 @@ class CachedExpertRunner:
         self._mrs_top_p = eviction.top_p if isinstance(eviction, MRSPolicy) else None
         self.cache = ExpertCache(store, budget, eviction, device, top_k, copy_fn)
         self._num_layers = store.num_layers
-        self._stream_slots = StreamSlots.of(self.cache.capacity, self.layout.nbytes, store.num_layers, min_wave_bytes)
+        self._stream_expert_slots = StreamExpertSlots.of(self.cache.capacity, self.layout.nbytes, store.num_layers,
+                                                         min_wave_bytes)
         self.prefetch_mode = prefetch
         self.stream_prefill = stream_prefill
         self._observer = observer
         self._router_weights: list[torch.Tensor] = []
         self._predictor: NextLayerPredictor | None = None
         self._cpu: CpuExperts | None = None
-        if cpu_experts == "auto" and self.cache.resident_slots is None:  # all resident: nothing is ever missed
+        if cpu_experts == "auto" and self.cache.resident_expert_slots is None:  # all resident: nothing is ever missed
             self._cpu = CpuExperts(store, cpu_costs or profile_costs(store, self.cache.device))
         self._capture: tuple[Callable[[], None], list[CapturedLayer]] | None = None
         self._held: _Held | None = None
@@ -183,13 +184,13 @@ class CachedExpertRunner:
         if self._capture is not None:  # nothing runs now, so nothing is counted
             return self._run_captured(x, routing)
         if self.graph_safe and (x.shape[0] == 1 or _capturing(x)
-                                or reads_slots_in_place(x, self.cache.slots, self.layout)):
+                                or reads_expert_slots_in_place(x, self.cache.expert_slots, self.layout)):
             return self._run_resident(x, routing)
         layer = routing.layer
         self.cache.begin_run(layer)
         streamed = self.stream_prefill and streams(x.shape[0], self.top_k, self._num_experts)
         if not streamed:
-            self.cache.keep_nothing()  # the streamed spans' kept experts: a shorter span may need any slot
+            self.cache.keep_nothing()  # the streamed spans' kept experts: a shorter span may need any expert slot
         guess = self._guess(layer, x, streamed)
         read = self._read_back(routing, guess)
         back = self._draft_choice(layer, read)
@@ -209,7 +210,8 @@ class CachedExpertRunner:
 
     def _prefetch_next(self, layer: int, ranked: list[int]) -> Callable[[], None]:
         """A streamed layer's tail (streaming.layer_waves): the next layer's guessed experts, most
-        routed first, into whatever room the waves it released leave; never a kept expert's slot."""
+        routed first, into whatever room the waves it released leave; never the expert slot of a
+        kept expert."""
         keys = [(layer + 1, e) for e in ranked if e >= 0]
         return lambda: self.cache.prefetch(keys, within_room=True)
 
@@ -218,7 +220,7 @@ class CachedExpertRunner:
         layer's whole ranking, not the predictor's few: its accuracy counters describe short spans."""
         if not streamed:
             return self._predictor.guess(layer, x) if self._predictor is not None else None
-        if self.cache.resident_slots is None and layer + 1 < len(self._router_weights):
+        if self.cache.resident_expert_slots is None and layer + 1 < len(self._router_weights):
             return stream_guess(x, self._router_weights[layer + 1], self.top_k, layer + 1, self.cache.capacity)
         return None
 
@@ -230,19 +232,19 @@ class CachedExpertRunner:
     @property
     def graph_safe(self) -> bool:
         """Every expert resident and no per-layer observer: an eager token or a captured span needs no host sync."""
-        return self.cache.resident_slots is not None and self._observer is None
+        return self.cache.resident_expert_slots is not None and self._observer is None
 
     def _run_resident(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
         """Every expert resident: no host sync, so CUDA graphs can capture it. Eagerly for one token,
-        or any number where the kernels read the slots in place (a prefill on the GPU: the cache's
-        path would sync on every layer's experts, ~4 ms a layer of host work for a short prompt on
-        an H100). Counted as T*k hits, as replays are (count_replayed_tokens): the distinct experts
-        are not known without a sync; while a graph is being captured nothing is counted — a
-        replay runs no Python, so the graph's owner counts replays."""
+        or any number where the kernels read the expert slots in place (a prefill on the GPU: the
+        cache's path would sync on every layer's experts, ~4 ms a layer of host work for a short
+        prompt on an H100). Counted as T*k hits, as replays are (count_replayed_tokens): the
+        distinct experts are not known without a sync; while a graph is being captured nothing is
+        counted — a replay runs no Python, so the graph's owner counts replays."""
         if not _capturing(x):
             self.cache.stats.add(routing.layer, hits=routing.expert_ids.numel())
-        slot_ids = self.cache.resident_slots[routing.layer][routing.expert_ids]  # [T, k]
-        return gathered_experts(x, routing.expert_weights, self.cache.slots, slot_ids, self.layout)
+        expert_slot_ids = self.cache.resident_expert_slots[routing.layer][routing.expert_ids]  # [T, k]
+        return gathered_experts(x, routing.expert_weights, self.cache.expert_slots, expert_slot_ids, self.layout)
 
     @property
     def replayable(self) -> bool:
@@ -267,8 +269,8 @@ class CachedExpertRunner:
 
     @property
     def _keeps(self) -> bool:
-        """Whether streamed spans keep experts resident (streaming.StreamSlots)."""
-        return self.stream_prefill and self.cache.resident_slots is None and self._stream_slots.kept > 0
+        """Whether streamed spans keep experts resident (streaming.StreamExpertSlots)."""
+        return self.stream_prefill and self.cache.resident_expert_slots is None and self._stream_expert_slots.kept > 0
 
     @contextmanager
     def recording(self) -> Iterator[dict[int, set[int]]]:
@@ -283,8 +285,8 @@ class CachedExpertRunner:
     @contextmanager
     def capturing(self, split: Callable[[], None]) -> Iterator[list[CapturedLayer]]:
         """While a short forward is being captured piecewise: each MoE layer packs its read-back,
-        calls `split` (end this graph, begin the next) and computes its experts from slot ids that
-        replay_layer fills in. Yields the layers in order as they are captured."""
+        calls `split` (end this graph, begin the next) and computes its experts from expert slot ids
+        that replay_layer fills in. Yields the layers in order as they are captured."""
         layers: list[CapturedLayer] = []
         self._capture = (split, layers)
         try:
@@ -297,22 +299,22 @@ class CachedExpertRunner:
         guess = self._predictor.guess(routing.layer, x) if self._predictor is not None else None
         readback = self._pack(routing, guess)
         # host-written between replays; zeroed in this segment, i.e. before the host writes it,
-        # so that where "capture" runs eagerly (CPU tests) the experts below read valid slots
+        # so that where "capture" runs eagerly (CPU tests) the experts below read valid expert slots
         index = torch.zeros((2, *routing.expert_ids.shape), dtype=torch.long, device=x.device)
         num_candidates = 0 if routing.candidates is None else routing.candidates.shape[1]
         layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index, guess))
         split()
         weights = routing.expert_weights if routing.candidates is None else routing.reweighted(index[1])
-        return gathered_experts(x, weights, self.cache.slots, index[0], self.layout)
+        return gathered_experts(x, weights, self.cache.expert_slots, index[0], self.layout)
 
     def replay_layer(self, captured: CapturedLayer) -> None:
         """The host's part of a replayed step between the segment ending at `captured` and the next:
-        the layer's one sync (its routing), its experts made resident in one wave, their slots
-        handed to the next segment. Call right after replaying the segment that ends here."""
-        self._release_held()  # the previous layer's compute is enqueued: its slots may go
+        the layer's one sync (its routing), its experts made resident in one wave, their expert
+        slots handed to the next segment. Call right after replaying the segment that ends here."""
+        self._release_held()  # the previous layer's compute is enqueued: its expert slots may go
         layer = captured.layer
         self.cache.begin_run(layer)
-        self.cache.keep_nothing()  # the whole wave must fit: no slot stays a streamed span's
+        self.cache.keep_nothing()  # the whole wave must fit: no expert slot stays a streamed span's
         back = self._unpack(captured.readback.tolist(), layer, captured.tokens, captured.k, captured.num_candidates,
                             captured.guess)
         back = self._draft_choice(layer, back)
@@ -324,7 +326,7 @@ class CachedExpertRunner:
         if captured.staging is None:
             captured.staging = torch.empty(captured.index.shape, dtype=torch.long, pin_memory=captured.index.is_cuda)
         flat = [e for row in back.ids for e in row]
-        captured.staging.numpy().reshape(-1)[:] = [wave.slots[e] for e in flat] + flat
+        captured.staging.numpy().reshape(-1)[:] = [wave.expert_slots[e] for e in flat] + flat
         captured.index.copy_(captured.staging, non_blocking=True)
         prefetches = self._predictor.remember(captured.guess, back.ranked) if captured.guess is not None else []
         self._held = _Held(wave, prefetches)
@@ -430,7 +432,7 @@ class CachedExpertRunner:
             if tail is not None:
                 tail()
             return torch.zeros_like(x)
-        keep = self._stream_slots.quota(routing.layer) if streamed and self._keeps else 0
+        keep = self._stream_expert_slots.quota(routing.layer) if streamed and self._keeps else 0
         with closing(layer_waves(self.cache, routing.layer, experts, double_buffer=streamed, keep=keep,
                                  tail=tail)) as waves:
             first = next(waves)
@@ -443,12 +445,13 @@ class CachedExpertRunner:
 
     def _compute_gathered(self, x: torch.Tensor, routing: LayerRouting, wave: Wave, ids: list[int]) -> torch.Tensor:
         """One token whose GPU experts all fit in this wave: wait for its copies, then one gathered
-        batched matmul; the slot ids travel with a non-blocking copy, so no second host sync."""
+        batched matmul; the expert slot ids travel with a non-blocking copy, so no second host sync."""
         self.cache.wait_pending(wave)
-        keep = [j for j, e in enumerate(ids) if e in wave.slots]  # positions in the top-k not left to the CPU
-        index = _to_device([[wave.slots[ids[j]] for j in keep], keep], x.device)  # [2, k']: slot, position
+        keep = [j for j, e in enumerate(ids) if e in wave.expert_slots]  # positions in the top-k not left to the CPU
+        # [2, k']: expert slot, position
+        index = _to_device([[wave.expert_slots[ids[j]] for j in keep], keep], x.device)
         weights = routing.expert_weights if len(keep) == len(ids) else routing.expert_weights[:, index[1]]
-        return gathered_experts(x, weights, self.cache.slots, index[:1], self.layout)
+        return gathered_experts(x, weights, self.cache.expert_slots, index[:1], self.layout)
 
     def _compute(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, wave: Wave) -> None:
         ids, weights = routing.expert_ids, routing.expert_weights  # [T, k] each

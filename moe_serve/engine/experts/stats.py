@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, fields, replace
 
-from moe_serve.engine.experts.slots import Placement, WavePlan
+from moe_serve.engine.experts.expert_slots import Placement, WavePlan
 
 
 @dataclass
@@ -20,7 +20,7 @@ class LayerStats:
     evictions: int = 0  # experts of this layer pushed out of the cache
     prefetch_used: int = 0  # prefetched experts later used by compute
     prefetch_wasted: int = 0  # prefetched experts evicted before any use
-    prefetch_dropped: int = 0  # predicted experts not prefetched: no slot could be freed
+    prefetch_dropped: int = 0  # predicted experts not prefetched: no expert slot could be freed
     waves: int = 0  # compute waves (1 per layer run unless the cache cannot hold its experts)
     predicted_correct: int = 0  # |predicted ∩ used| for the next-layer predictor
     predicted_needed: int = 0  # |used| for the layer runs the predictor had a guess for
@@ -80,7 +80,7 @@ class ExpertStats:
     def add_prefetch(self, placement: Placement, expert_bytes: int) -> None:
         """Booked to each key's own layer: one prefetch may span layers."""
         with self._lock:
-            for (layer, _), _slot in placement.placed:
+            for (layer, _), _expert_slot in placement.placed:
                 self._add(layer, {"prefetch_bytes": expert_bytes})
             for layer, _ in placement.unplaced:
                 self._add(layer, {"prefetch_dropped": 1})

@@ -1,8 +1,8 @@
 """Every routed expert of the model in ONE host allocation [num_moe_layers, num_experts, layout.numel],
 each expert one row in its layout's format (weights quantized at load, when the format asks).
 
-Pinned when the compute device is CUDA, so a row copies to its GPU slot at full PCIe speed and
-asynchronously; plain memory otherwise (pinning needs a CUDA driver).
+Pinned when the compute device is CUDA, so a row copies to its GPU expert slot at full PCIe speed
+and asynchronously; plain memory otherwise (pinning needs a CUDA driver).
 
 Pinning registers our own allocation with cudaHostRegister instead of asking for pin_memory=True:
 torch's caching host allocator rounds sizes up to a power of two, so a 90 GB store would ask for

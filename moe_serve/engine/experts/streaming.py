@@ -9,12 +9,13 @@ it misses over PCIe / host-to-device bandwidth. Three things keep those bytes fe
     the one its layer just ran, so a fixed set of experts stays resident and only the others are
     copied, once a step each; recency (LRU) evicts exactly what comes next and hits ~0%, and a
     layer that pins all of its experts at once (a piecewise-graph replay) leaves at most C - E
-    slots to keep anything in. So a streamed run keeps its layer's share of `StreamSlots.kept`
-    (the resident experts first, SlotTable.keep: never victims) and streams the others through
-    the remaining slots: the fewest that double-buffer, two waves each big enough that its copy
-    outlasts the host work of computing it (MIN_WAVE_BYTES). The eviction policy only chooses
-    among those, so any policy gets the cycle's hits. At Mixtral size (352 MB experts, 12 slots
-    for 6 layers x 8 experts) 10 experts stay and a step that needs all 48 copies 38.
+    expert slots to keep anything in. So a streamed run keeps its layer's share of
+    `StreamExpertSlots.kept` (the resident experts first, ExpertSlotTable.keep: never victims) and
+    streams the others through the remaining expert slots: the fewest that double-buffer, two
+    waves each big enough that its copy outlasts the host work of computing it (MIN_WAVE_BYTES).
+    The eviction policy only chooses among those, so any policy gets the cycle's hits. At Mixtral
+    size (352 MB experts, 12 expert slots for 6 layers x 8 experts) 10 experts stay and a step that
+    needs all 48 copies 38.
   * within a layer: its kept experts form the first wave, computed while the next wave's copies
     fly; each wave is acquired (its demand copies started) before the one before it computes:
     double buffering. Small experts (two waves take the whole cache) keep nothing and stream in
@@ -24,8 +25,8 @@ it misses over PCIe / host-to-device bandwidth. Three things keep those bytes fe
     routes to them. Once nothing of this layer is left to copy, each wave it releases makes room
     for them (ExpertCache.prefetch within_room: never a kept expert, never a pinned one), so they
     fly during this layer's last waves, the next layer's attention and its routing read-back.
-    Copies into the slots just released wait for the compute reading them (cache.py's
-    write-after-read markers); in-flight slots are never victims (slots.py).
+    Copies into the expert slots just released wait for the compute reading them (cache.py's
+    write-after-read markers); in-flight expert slots are never victims (expert_slots.py).
 """
 from __future__ import annotations
 
@@ -67,23 +68,24 @@ MIN_WAVE_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
-class StreamSlots:
-    """How streamed spans share the cache: `kept` slots hold experts that stay resident from one
-    streamed run of their layer to the next, spread evenly over the layers; the other slots, two
-    waves or more, stream the rest (layer_waves)."""
+class StreamExpertSlots:
+    """How streamed spans share the cache: `kept` expert slots hold experts that stay resident from
+    one streamed run of their layer to the next, spread evenly over the layers; the other expert
+    slots, two waves or more, stream the rest (layer_waves)."""
 
     kept: int
     num_layers: int
 
     @classmethod
-    def of(cls, capacity: int, expert_bytes: int, num_layers: int, min_wave_bytes: int = MIN_WAVE_BYTES) -> StreamSlots:
+    def of(cls, capacity: int, expert_bytes: int, num_layers: int,
+           min_wave_bytes: int = MIN_WAVE_BYTES) -> StreamExpertSlots:
         """All but two waves of the fewest experts that copy `min_wave_bytes` (none if those take the cache)."""
         wave = max(1, -(-min_wave_bytes // expert_bytes))
         return cls(max(0, capacity - 2 * wave), num_layers)
 
     def quota(self, layer: int) -> int:
-        """`layer`'s share of the kept slots. Evenly: every layer then streams some experts, which
-        the layer before prefetches, and computes its kept ones while they land."""
+        """`layer`'s share of the kept expert slots. Evenly: every layer then streams some experts,
+        which the layer before prefetches, and computes its kept ones while they land."""
         share, extra = divmod(self.kept, self.num_layers)
         return share + (layer < extra)
 
@@ -104,18 +106,19 @@ def layer_waves(cache: ExpertCache, layer: int, experts: list[int], *, double_bu
     (so after the caller enqueued its compute) or closes the iterator.
 
     `keep` of them (the ones kept already first, then the other resident ones) become the layer's
-    kept experts (ExpertCache.keep) and the first wave. The others go through the slots nothing
-    keeps: if they fit, in one more wave, and a later one only for experts that found every slot
-    in flight. If not (and `double_buffer`): waves of half those slots, the next acquired before
-    the current one is yielded: two waves pinned at once hold at most those slots, so the second
-    acquire always has a slot this layer did not pin to wait for. Resident experts go first, so
+    kept experts (ExpertCache.keep) and the first wave. The others go through the expert slots
+    nothing keeps: if they fit, in one more wave, and a later one only for experts that found
+    every expert slot in flight. If not (and `double_buffer`): waves of half those expert slots,
+    the next acquired before the current one is yielded: two waves pinned at once hold at most
+    those expert slots, so the second acquire always has an expert slot this layer did not pin to
+    wait for. Resident experts go first, so
     that no demand copy evicts an expert that a later wave of this layer would have hit.
     `tail` is called after each release that leaves nothing of the layer to acquire."""
     kept = _kept_first(cache, layer, experts)[:keep] if keep else []
     if keep:
         cache.keep(layer, kept)
     others = [e for e in experts if e not in kept]
-    streaming = cache.capacity - cache.kept  # slots free for the others, at least
+    streaming = cache.capacity - cache.kept  # expert slots free for the others, at least
     double = double_buffer and len(others) > streaming >= 2
     size = streaming // 2 if double else max(1, len(others))
     todo = _kept_first(cache, layer, others) if double else others

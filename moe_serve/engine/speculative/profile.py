@@ -42,23 +42,23 @@ def profile_expert_load(expert_bytes: int, device: torch.device, repeats: int = 
 
 
 def plan_cutoff(config: SpecConfig, target: ModelConfig, draft_depth: int, experts_per_token: int,
-                expert_bytes: int, cache_slots: int, profile: SpecProfile) -> int:
+                expert_bytes: int, expert_slot_count: int, profile: SpecProfile) -> int:
     """--spec-cutoff when given, else SP-MoE's bound for our expert cache.
 
     Per MoE layer a draft phase predicts `experts_per_token` experts for each of gamma drafted
     tokens (k for a separate draft; k - r for self-drafting, whose r drafted experts are
     resident): at most min(gamma * that, E) distinct ones. Only the ones not cached are copied
     (Algorithm 1 drops the rest), and an expert is cached with about the cache's share of all
-    experts, so n_l = min(gamma * that, E) * (1 - slots / all experts). SP-MoE's memory
-    constraint (peak + prefetched <= GPU memory) becomes: prefetched <= the cache's slots minus
-    the verify pass's peak, the one layer it pins at a time, min((gamma + 1) * k, E) experts.
+    experts, so n_l = min(gamma * that, E) * (1 - expert slots / all experts). SP-MoE's memory
+    constraint (peak + prefetched <= GPU memory) becomes: prefetched <= the cache's expert slots
+    minus the verify pass's peak, the one layer it pins at a time, min((gamma + 1) * k, E) experts.
     Prefetching more than that evicts experts the verify pass needs before it gets to them."""
     if config.cutoff is not None:
         return min(config.cutoff, target.num_moe_layers)
     predicted = min(config.gamma * experts_per_token, target.num_experts)
-    uncached = 1.0 - min(1.0, cache_slots / (target.num_moe_layers * target.num_experts))
+    uncached = 1.0 - min(1.0, expert_slot_count / (target.num_moe_layers * target.num_experts))
     peak = min((config.gamma + 1) * target.top_k, target.num_experts)
     return choose_cutoff(CutoffInputs(
         experts_per_layer=(predicted * uncached,) * target.num_moe_layers, expert_bytes=expert_bytes,
-        free_bytes=max(0, cache_slots - peak) * expert_bytes, t_comp=profile.t_comp, t_load=profile.t_load,
+        free_bytes=max(0, expert_slot_count - peak) * expert_bytes, t_comp=profile.t_comp, t_load=profile.t_load,
         draft_depth=draft_depth, gamma=config.gamma))

@@ -17,9 +17,10 @@ TOP_K = 2
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "mrs"])
 @pytest.mark.parametrize("prefetch", ["none", "next-layer"])
-@pytest.mark.parametrize("slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
-def test_output_equals_all_experts_reference(store, make_routing, reference, policy, prefetch, slots, tokens) -> None:
-    runner = CachedExpertRunner(store, slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+@pytest.mark.parametrize("expert_slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
+def test_output_equals_all_experts_reference(store, make_routing, reference, policy, prefetch, expert_slots,
+                                            tokens) -> None:
+    runner = CachedExpertRunner(store, expert_slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
                                 prefetch=prefetch, prefetch_depth=2)
     runner.set_router_weights(router_weights(store))
     try:
@@ -32,7 +33,7 @@ def test_output_equals_all_experts_reference(store, make_routing, reference, pol
     assert total.prefetch_bytes % store.layout.nbytes == 0
     assert total.waves >= 4 * store.num_layers
     assert total.prefetch_used + total.prefetch_wasted <= total.prefetch_bytes // store.layout.nbytes
-    assert runner.resident_experts <= slots
+    assert runner.resident_experts <= expert_slots
     if prefetch == "none":
         assert total.prefetch_bytes == 0 and total.predicted_needed == 0
 
@@ -139,10 +140,10 @@ def test_a_self_draft_runs_resident_experts_of_its_top_k_first(store, reference)
     torch.testing.assert_close(out, reference(store, x, ran), rtol=0, atol=1e-12)
 
 
-def test_piecewise_capture_then_replay_hands_the_next_segment_resident_slots(store, reference) -> None:
+def test_piecewise_capture_then_replay_hands_the_next_segment_resident_expert_slots(store, reference) -> None:
     """The host half of a piecewise-graphed step (moe_serve/engine/graphs.py), run on the CPU: capturing packs
     the routing and counts nothing; replaying a layer makes its experts resident in one wave and
-    writes their slots and ids where the next segment's expert compute reads them."""
+    writes their expert slots and ids where the next segment's expert compute reads them."""
     from moe_serve.engine.experts.compute import gathered_experts
 
     runner = CachedExpertRunner(store, 3 * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
@@ -159,9 +160,9 @@ def test_piecewise_capture_then_replay_hands_the_next_segment_resident_slots(sto
         assert splits == [0] and [(c.layer, c.k, c.num_candidates) for c in layers] == [(1, 1, TOP_K)]
         assert runner.stats().total().hits == before.hits  # a capture runs nothing, so counts nothing
         runner.replay_layer(layers[0])
-        index = layers[0].index  # [2, 1, k]: slots, expert ids
+        index = layers[0].index  # [2, 1, k]: expert slots, expert ids
         assert index[1].tolist() == [[2]]  # the resident expert of the top-2, not the best one (6)
-        out = gathered_experts(x, routing.reweighted(index[1]), runner.cache.slots, index[0], store.layout)
+        out = gathered_experts(x, routing.reweighted(index[1]), runner.cache.expert_slots, index[0], store.layout)
         runner.finish_replay()
         after = runner.stats().total()
     finally:
@@ -172,9 +173,9 @@ def test_piecewise_capture_then_replay_hands_the_next_segment_resident_slots(sto
     assert runner.cache.resident_experts == 1 and not runner.cache._table.is_pinned((1, 2))
 
 
-def test_a_replayed_verify_span_hands_every_token_its_slots(store, make_routing, reference) -> None:
+def test_a_replayed_verify_span_hands_every_token_its_expert_slots(store, make_routing, reference) -> None:
     """A piecewise-graphed span of several tokens (a verify pass): one wave holds the union of
-    the tokens' experts, and each token's row of the index names the slots of its own experts."""
+    the tokens' experts, and each token's row of the index names the expert slots of its own experts."""
     from moe_serve.engine.experts.compute import gathered_experts
 
     tokens = 3
@@ -191,7 +192,7 @@ def test_a_replayed_verify_span_hands_every_token_its_slots(store, make_routing,
             runner.replay_layer(layers[0])
         index = layers[0].index  # [2, T, k]
         assert index[1].tolist() == routing.expert_ids.tolist()
-        out = gathered_experts(x, routing.expert_weights, runner.cache.slots, index[0], store.layout)
+        out = gathered_experts(x, routing.expert_weights, runner.cache.expert_slots, index[0], store.layout)
         runner.finish_replay()
     finally:
         runner.close()

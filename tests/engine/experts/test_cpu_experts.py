@@ -28,11 +28,11 @@ def test_cpu_takes_the_least_loaded_misses_while_that_shortens_the_layer() -> No
 
 
 @pytest.mark.parametrize("policy,prefetch", [("lru", "none"), ("mrs", "next-layer")])
-@pytest.mark.parametrize("slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
+@pytest.mark.parametrize("expert_slots,tokens", [(10, 1), (10, 3), (3, 4)], ids=["decode", "verify", "waves"])
 def test_output_equals_reference_with_some_misses_on_the_cpu(store, make_routing, reference, policy, prefetch,
-                                                             slots, tokens) -> None:
-    runner = CachedExpertRunner(store, slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K, prefetch=prefetch,
-                                cpu_experts="auto", cpu_costs=SOME_ON_CPU)
+                                                             expert_slots, tokens) -> None:
+    runner = CachedExpertRunner(store, expert_slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+                                prefetch=prefetch, cpu_experts="auto", cpu_costs=SOME_ON_CPU)
     runner.set_router_weights([torch.randn(store.num_experts, store.layout.hidden_size, dtype=torch.float64)
                                for _ in range(store.num_layers)])
     try:

@@ -1,8 +1,8 @@
 """The CUDA path: copy streams, per-expert events, release markers, event-timed PCIe waits.
 
 Skipped without a GPU. Copies are slowed down on their own stream with torch.cuda._sleep (a spin
-kernel), so a missing wait_event or release marker would let compute read a stale slot or a
-copy overwrite a slot that compute is still reading, and the output would differ.
+kernel), so a missing wait_event or release marker would let compute read a stale expert slot or
+a copy overwrite an expert slot that compute is still reading, and the output would differ.
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def test_cuda_profiled_costs_are_positive() -> None:
     assert costs.copy_seconds > 0 and costs.cpu_seconds(1) > 0
 
 
-def test_cuda_waves_do_not_overwrite_slots_compute_still_reads() -> None:
+def test_cuda_waves_do_not_overwrite_expert_slots_compute_still_reads() -> None:
     # many tokens make each wave's compute long, so the next wave's copies would race it
     store = _store(layers=2, experts=16, hidden=512, inter=256)
     routers = [torch.randn(16, 512, device=CUDA, dtype=torch.float64) for _ in range(2)]

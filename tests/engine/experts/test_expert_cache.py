@@ -1,4 +1,4 @@
-"""ExpertCache: capacity from a budget, the too-small-budget error, slots hold the store's rows."""
+"""ExpertCache: capacity from a budget, the too-small-budget error, expert slots hold the store's rows."""
 from __future__ import annotations
 
 import threading
@@ -52,7 +52,7 @@ def test_all_experts_budget_is_preloaded(store) -> None:
     assert (total.hits, total.misses, total.demand_bytes) == (store.num_experts, 0, 0)
 
 
-def test_wave_when_more_experts_than_slots(store) -> None:
+def test_wave_when_more_experts_than_expert_slots(store) -> None:
     cache = ExpertCache(store, store.layout.nbytes * 2, LRUPolicy(), "cpu", top_k=2)
     first = cache.acquire(0, [0, 1, 2, 3, 4])
     assert len(first.pending) == 2 and first.leftover == [2, 3, 4]
@@ -72,7 +72,7 @@ def test_whole_acquire_waits_for_in_flight_copies_instead_of_splitting(store) ->
         dst.copy_(src)
 
     cache = ExpertCache(store, store.layout.nbytes * 2, LRUPolicy(), "cpu", top_k=2, copy_fn=slow_copy)
-    # a thread stands in for an asynchronous copy engine: the prefetch holds one slot while in flight
+    # a thread stands in for an asynchronous copy engine: the prefetch holds one expert slot while in flight
     prefetcher = threading.Thread(target=cache.prefetch, args=([(1, 0)],))
     prefetcher.start()
     while cache.resident_experts == 0:
@@ -81,7 +81,7 @@ def test_whole_acquire_waits_for_in_flight_copies_instead_of_splitting(store) ->
     timer.start()
     wave = cache.acquire(0, [3, 4], whole=True)
     prefetcher.join()
-    assert wave.leftover == [] and sorted(wave.slots) == [3, 4]
+    assert wave.leftover == [] and sorted(wave.expert_slots) == [3, 4]
     cache.wait_pending(wave)
     assert all(torch.equal(r, store.row(0, e)) for e, r in wave.rows(landed=False).items())
     cache.release(wave)
@@ -108,18 +108,18 @@ def test_failed_prefetch_is_forgotten_not_served(store) -> None:
     assert cache.stats.snapshot().per_layer[0].misses == 1
 
 
-def test_a_prefetch_without_free_slots_drops_the_rest(store) -> None:
+def test_a_prefetch_without_free_expert_slots_drops_the_rest(store) -> None:
     cache = ExpertCache(store, 2 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2)
-    wave = cache.acquire(0, [0, 1])  # both slots pinned by compute
+    wave = cache.acquire(0, [0, 1])  # both expert slots pinned by compute
     cache.prefetch([(1, 4), (1, 5)])
     cache.release(wave)
-    cache.prefetch([(1, 4), (1, 5), (1, 6)])  # two slots free up, the third expert has none
+    cache.prefetch([(1, 4), (1, 5), (1, 6)])  # two expert slots free up, the third expert has none
     layer1 = cache.stats.snapshot().per_layer[1]
     assert (layer1.prefetch_dropped, layer1.prefetch_bytes) == (3, 2 * store.layout.nbytes)
     assert cache.stats.snapshot().per_layer[0].evictions == 2
 
 
-def test_a_prefetch_within_room_takes_no_kept_slot_and_drops_nothing(store) -> None:
+def test_a_prefetch_within_room_takes_no_kept_expert_slot_and_drops_nothing(store) -> None:
     """A streamed layer's tail fills what its released waves free and asks again after the next."""
     cache = ExpertCache(store, 3 * store.layout.nbytes, LRUPolicy(), "cpu", top_k=2)
     kept, streamed = cache.acquire(0, [0]), cache.acquire(0, [1, 2])

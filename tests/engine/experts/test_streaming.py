@@ -23,8 +23,8 @@ from moe_serve.engine.experts.streaming import saturates, streams
 TOP_K = 2
 TOKENS = 16  # T·k = 32 ≥ 2E = 16 for the 8-expert test store: streamed
 # The batch benchmark's model (6 MoE layers x 8 experts, top-2, Mixtral-size experts) at a 25%
-# budget: 12 slots. Its experts stream one a wave; these small ones do too with min_wave_bytes=0.
-BENCH_LAYERS, BENCH_SLOTS, BATCH = 6, 12, 32
+# budget: 12 expert slots. Its experts stream one a wave; these small ones do too with min_wave_bytes=0.
+BENCH_LAYERS, BENCH_EXPERT_SLOTS, BATCH = 6, 12, 32
 
 
 def _routed_by(weights: torch.Tensor, layer: int, x: torch.Tensor) -> LayerRouting:
@@ -67,14 +67,14 @@ def test_streams_once_the_tokens_pick_every_expert_twice_over() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "lfu", "mrs"])
 @pytest.mark.parametrize("prefetch", ["none", "next-layer"])
-@pytest.mark.parametrize("slots", [2, 3, 5, 12, 32], ids=lambda s: f"{s}slots")
+@pytest.mark.parametrize("expert_slots", [2, 3, 5, 12, 32], ids=lambda s: f"{s}-expert-slots")
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
-def test_streamed_forward_equals_all_experts_reference(store, make_routing, reference, policy, prefetch, slots,
-                                                        stream) -> None:
+def test_streamed_forward_equals_all_experts_reference(store, make_routing, reference, policy, prefetch,
+                                                        expert_slots, stream) -> None:
     """Random routings (the guess is often wrong) at budgets from one wave per layer down to
-    double-buffered waves of one expert; 32 slots hold every expert (nothing to stream)."""
-    runner = CachedExpertRunner(store, slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K, prefetch=prefetch,
-                                stream_prefill=stream)
+    double-buffered waves of one expert; 32 expert slots hold every expert (nothing to stream)."""
+    runner = CachedExpertRunner(store, expert_slots * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+                                prefetch=prefetch, stream_prefill=stream)
     runner.set_router_weights(router_weights(store))
     try:
         accesses = drive(runner, store, make_routing, reference, steps=3, tokens=TOKENS, top_k=TOP_K, seed=7)
@@ -86,10 +86,10 @@ def test_streamed_forward_equals_all_experts_reference(store, make_routing, refe
     assert total.demand_bytes == total.misses * store.layout.nbytes
     assert total.prefetch_used + total.prefetch_wasted <= prefetched
     assert total.prefetch_used <= total.hits
-    assert runner.resident_experts <= slots
+    assert runner.resident_experts <= expert_slots
     assert not any(runner.cache._table.is_pinned((l, e))  # every wave was released
                    for l in range(store.num_layers) for e in range(store.num_experts))
-    if slots == 32:
+    if expert_slots == 32:
         assert total.misses == 0 and prefetched == 0
     elif stream:
         assert prefetched > 0 and total.prefetch_used > 0  # streamed copies count as prefetches
@@ -136,13 +136,13 @@ def test_a_short_span_does_not_stream(store, make_routing, monkeypatch) -> None:
 def test_a_layer_that_overflows_the_cache_copies_the_next_wave_before_computing_this_one(
         store, make_routing, monkeypatch) -> None:
     log = _Log(store, monkeypatch)
-    slots = 4
-    runner = CachedExpertRunner(store, slots * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, copy_fn=log.copy)
+    expert_slots = 4
+    runner = CachedExpertRunner(store, expert_slots * store.layout.nbytes, "lru", "cpu", top_k=TOP_K, copy_fn=log.copy)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(TOKENS, store.layout.hidden_size, generator=gen, dtype=torch.float64)
     routing = make_routing(0, TOKENS, store.num_experts, TOP_K, gen)
     needed = set(routing.expert_ids.unique().tolist())
-    assert len(needed) > slots
+    assert len(needed) > expert_slots
     try:
         log.run(runner, x, routing)
     finally:
@@ -154,9 +154,9 @@ def test_a_layer_that_overflows_the_cache_copies_the_next_wave_before_computing_
         computed |= event[2]
         copied = {e[2] for e in log.events[:i] if e[0] == "copy"}
         # the next wave (half the cache, or what is left) is already being copied
-        assert len(copied - computed) == min(slots // 2, len(needed - computed))
+        assert len(copied - computed) == min(expert_slots // 2, len(needed - computed))
     assert computed == needed
-    assert runner.stats().per_layer[0].waves == -(-len(needed) // (slots // 2))
+    assert runner.stats().per_layer[0].waves == -(-len(needed) // (expert_slots // 2))
 
 
 def test_a_failing_compute_releases_every_pinned_wave(store, make_routing, monkeypatch) -> None:
@@ -186,7 +186,7 @@ def test_a_span_saturates_once_fewer_than_one_expert_of_the_model_is_expected_un
 
 
 def _bench_runner(store, policy: str = "lru", **kwargs) -> CachedExpertRunner:
-    runner = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+    runner = CachedExpertRunner(store, BENCH_EXPERT_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
                                 min_wave_bytes=0, **kwargs)
     runner.set_router_weights(router_weights(store))
     return runner
@@ -217,8 +217,8 @@ def _saturated_steps(runner, store, make_routing, reference, steps: int) -> list
 def test_saturated_steps_keep_ten_experts_resident_and_copy_the_other_38_once_a_step(
         make_store, make_routing, reference, policy) -> None:
     """Issue G's goal 2: at most 40 of the 48 experts copied per saturated step, whatever the policy.
-    Every step needs all 48 and 2 slots stream, so the other 10 stay (Belady's rule on the cycle);
-    streamed without keeping (experts too small to keep any), LRU copies all 48 every step."""
+    Every step needs all 48 and 2 expert slots stream, so the other 10 stay (Belady's rule on the
+    cycle); streamed without keeping (experts too small to keep any), LRU copies all 48 every step."""
     store = make_store(num_layers=BENCH_LAYERS)
     runner = _bench_runner(store, policy)
     try:
@@ -226,13 +226,13 @@ def test_saturated_steps_keep_ten_experts_resident_and_copy_the_other_38_once_a_
     finally:
         runner.close()
     assert per_step[1:] == [38] * 4  # the first step fills the cache
-    assert runner.cache.kept == BENCH_SLOTS - 2
+    assert runner.cache.kept == BENCH_EXPERT_SLOTS - 2
     total = runner.stats().total()
     assert total.prefetch_wasted == 0 and total.prefetch_used == total.prefetch_bytes // store.layout.nbytes
     assert not any(runner.cache._table.is_pinned((l, e))
                    for l in range(store.num_layers) for e in range(store.num_experts))
     if policy == "lru":
-        unkept = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K)
+        unkept = CachedExpertRunner(store, BENCH_EXPERT_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K)
         unkept.set_router_weights(router_weights(store))
         try:
             assert _saturated_steps(unkept, store, make_routing, reference, steps=3)[1:] == [48, 48]
@@ -276,7 +276,7 @@ def test_a_saturated_step_computes_kept_experts_first_and_always_has_a_copy_in_f
 def test_a_span_that_needs_every_expert_streams_instead_of_replaying(make_store) -> None:
     store = make_store(num_layers=BENCH_LAYERS)
     runner = _bench_runner(store)
-    small = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
+    small = CachedExpertRunner(store, BENCH_EXPERT_SLOTS * store.layout.nbytes, "lru", "cpu", top_k=TOP_K)
     unstreamed = _bench_runner(store, stream_prefill=False)
     try:
         assert runner.can_replay(1) and runner.can_replay(13) and not runner.can_replay(14)
@@ -288,7 +288,7 @@ def test_a_span_that_needs_every_expert_streams_instead_of_replaying(make_store)
             r.close()
 
 
-def test_a_short_span_after_saturated_steps_may_take_any_slot(make_store, make_routing, reference) -> None:
+def test_a_short_span_after_saturated_steps_may_take_any_expert_slot(make_store, make_routing, reference) -> None:
     """A replayed layer must hold all its experts in one wave: nothing stays kept for it."""
     from moe_serve.engine.experts.compute import gathered_experts
 
@@ -299,12 +299,12 @@ def test_a_short_span_after_saturated_steps_may_take_any_slot(make_store, make_r
     routing = make_routing(0, 4, store.num_experts, TOP_K, gen)
     try:
         _saturated_steps(runner, store, make_routing, reference, steps=2)
-        assert runner.cache.kept == BENCH_SLOTS - 2
+        assert runner.cache.kept == BENCH_EXPERT_SLOTS - 2
         with runner.capturing(lambda: None) as layers:
             runner.run(x, routing)
         runner.replay_layer(layers[0])
         assert runner.cache.kept == 0
-        out = gathered_experts(x, routing.expert_weights, runner.cache.slots, layers[0].index[0], store.layout)
+        out = gathered_experts(x, routing.expert_weights, runner.cache.expert_slots, layers[0].index[0], store.layout)
         runner.finish_replay()
     finally:
         runner.close()
@@ -320,7 +320,7 @@ def test_decode_and_verify_spans_copy_what_they_copied_without_kept_experts(
     store = make_store(num_layers=BENCH_LAYERS)
     snapshots = []
     for min_wave_bytes in (0, 2**40):
-        runner = CachedExpertRunner(store, BENCH_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
+        runner = CachedExpertRunner(store, BENCH_EXPERT_SLOTS * store.layout.nbytes, policy, "cpu", top_k=TOP_K,
                                     prefetch=prefetch, min_wave_bytes=min_wave_bytes)
         runner.set_router_weights(router_weights(store))
         try:

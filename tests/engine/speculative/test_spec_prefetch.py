@@ -121,23 +121,25 @@ def test_plan_cutoff_prefers_the_override_and_otherwise_bounds_by_time(target: C
     config = dataclasses.replace(target.config, num_experts=64, top_k=2)
     slow_loads = SpecProfile(t_comp=1e-3, t_load=1.0)
     fast_loads = SpecProfile(t_comp=1.0, t_load=1e-6)
-    slots = config.num_moe_layers * 32  # half the experts: memory never binds (8 copies a layer)
-    assert plan_cutoff(SpecConfig(cutoff=99), config, 3, config.top_k, 1, slots, slow_loads) == config.num_moe_layers
-    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, slots, slow_loads) == 0
-    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, slots, fast_loads) == config.num_moe_layers
+    expert_slots = config.num_moe_layers * 32  # half the experts: memory never binds (8 copies a layer)
+    assert (plan_cutoff(SpecConfig(cutoff=99), config, 3, config.top_k, 1, expert_slots, slow_loads)
+            == config.num_moe_layers)
+    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, expert_slots, slow_loads) == 0
+    assert plan_cutoff(SpecConfig(), config, 3, config.top_k, 1, expert_slots, fast_loads) == config.num_moe_layers
 
 
 def test_plan_cutoff_keeps_the_verify_passs_peak_free_and_counts_only_uncached_experts(target: CausalLM) -> None:
-    """4 MoE layers of 8 experts, gamma = 2, k = 2: one verify layer pins min(6, 8) slots; each
-    layer's drafts predict min(4, 8) experts, of which the uncached share (1 - slots / 32) is copied."""
+    """4 MoE layers of 8 experts, gamma = 2, k = 2: one verify layer pins min(6, 8) expert slots;
+    each layer's drafts predict min(4, 8) experts, of which the uncached share (1 - expert slots / 32)
+    is copied."""
     config = dataclasses.replace(target.config, num_experts=8, top_k=2, moe_layers=(0, 1, 2, 3))
     fast_loads = SpecProfile(t_comp=1.0, t_load=1e-6)
     spec = SpecConfig(gamma=2)
-    # 8 slots: 2 free, each layer copies 4 * (1 - 8/32) = 3 of its predictions: not one layer
+    # 8 expert slots: 2 free, each layer copies 4 * (1 - 8/32) = 3 of its predictions: not one layer
     assert plan_cutoff(spec, config, 3, 2, 1, 6 + 2, fast_loads) == 0
-    # 16 slots: 10 free, 4 * (1 - 16/32) = 2 per layer: every layer
+    # 16 expert slots: 10 free, 4 * (1 - 16/32) = 2 per layer: every layer
     assert plan_cutoff(spec, config, 3, 2, 1, 6 + 10, fast_loads) == 4
-    # 12 slots: 6 free, 4 * (1 - 12/32) = 2.5 per layer: two layers (5), not three (7.5)
+    # 12 expert slots: 6 free, 4 * (1 - 12/32) = 2.5 per layer: two layers (5), not three (7.5)
     assert plan_cutoff(spec, config, 3, 2, 1, 6 + 6, fast_loads) == 2
     # a self-draft with k - r = 1: 2 * (1 - 12/32) = 1.25 per layer: four layers (5)
     assert plan_cutoff(spec, config, 3, 1, 1, 6 + 6, fast_loads) == 4

@@ -1,4 +1,4 @@
-"""SlotTable: victims only among unpinned, landed residents; a full table says so instead of waiting."""
+"""ExpertSlotTable: victims only among unpinned, landed residents; a full table says so instead of waiting."""
 from __future__ import annotations
 
 import pytest
@@ -6,28 +6,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_serve.engine.experts.policies import LRUPolicy
-from moe_serve.engine.experts.slots import SlotTable
+from moe_serve.engine.experts.expert_slots import ExpertSlotTable
 
 
-def _resident(table: SlotTable, *keys: tuple[int, int]) -> None:
+def _resident(table: ExpertSlotTable, *keys: tuple[int, int]) -> None:
     """Place keys and mark their copies landed, unpinned."""
     placement = table.place(list(keys), pin=False, prefetched=False)
     for key, _ in placement.placed:
         table.complete(key)
 
 
-def test_free_slots_first_then_lru_victims() -> None:
-    table = SlotTable(2, LRUPolicy())
+def test_free_expert_slots_first_then_lru_victims() -> None:
+    table = ExpertSlotTable(2, LRUPolicy())
     _resident(table, (0, 0), (0, 1))
-    assert sorted(table.slot_of(k) for k in ((0, 0), (0, 1))) == [0, 1]
+    assert sorted(table.expert_slot_of(k) for k in ((0, 0), (0, 1))) == [0, 1]
     placement = table.place([(1, 5)], pin=False, prefetched=False)
     assert [e.key for e in placement.evictions] == [(0, 0)]
-    assert placement.placed == [((1, 5), placement.evictions[0].slot)]
+    assert placement.placed == [((1, 5), placement.evictions[0].expert_slot)]
     assert (0, 0) not in table and len(table) == 2
 
 
 def test_never_evicts_pinned_or_in_flight() -> None:
-    table = SlotTable(3, LRUPolicy())
+    table = ExpertSlotTable(3, LRUPolicy())
     _resident(table, (0, 0), (0, 1))
     table.place([(0, 2)], pin=False, prefetched=True)  # in flight: copy not landed
     table.pin((0, 0))
@@ -38,11 +38,11 @@ def test_never_evicts_pinned_or_in_flight() -> None:
     assert (0, 0) in table and (0, 2) in table
 
 
-def test_can_hold_counts_free_and_evictable_slots_but_not_the_wave_itself() -> None:
-    table = SlotTable(3, LRUPolicy())
+def test_can_hold_counts_free_and_evictable_expert_slots_but_not_the_wave_itself() -> None:
+    table = ExpertSlotTable(3, LRUPolicy())
     _resident(table, (0, 1), (0, 2))
-    assert table.can_hold([(0, 1), (0, 5), (0, 6)])  # one free slot + (0, 2) evictable
-    table.place([(1, 0)], pin=False, prefetched=True)  # the free slot, still in flight
+    assert table.can_hold([(0, 1), (0, 5), (0, 6)])  # one free expert slot + (0, 2) evictable
+    table.place([(1, 0)], pin=False, prefetched=True)  # the free expert slot, still in flight
     assert not table.can_hold([(0, 1), (0, 5), (0, 6)])  # (0, 1) is wanted, (1, 0) is being filled
     assert table.can_hold([(0, 1), (0, 5)])
     table.complete((1, 0))
@@ -50,7 +50,7 @@ def test_can_hold_counts_free_and_evictable_slots_but_not_the_wave_itself() -> N
 
 
 def test_full_of_pinned_places_nothing() -> None:
-    table = SlotTable(2, LRUPolicy())
+    table = ExpertSlotTable(2, LRUPolicy())
     table.place([(0, 0), (0, 1)], pin=True, prefetched=False)
     placement = table.place([(0, 2)], pin=True, prefetched=False)
     assert placement.placed == [] and placement.evictions == [] and placement.unplaced == [(0, 2)]
@@ -60,7 +60,7 @@ def test_full_of_pinned_places_nothing() -> None:
 
 
 def test_plan_wave_pins_hits_and_counts_first_use_of_prefetch() -> None:
-    table = SlotTable(3, LRUPolicy())
+    table = ExpertSlotTable(3, LRUPolicy())
     _resident(table, (0, 0))
     table.place([(0, 1)], pin=False, prefetched=True)  # prefetched, still in flight
     plan = table.plan_wave([(0, 0), (0, 1), (0, 2)])
@@ -72,7 +72,7 @@ def test_plan_wave_pins_hits_and_counts_first_use_of_prefetch() -> None:
 
 
 def test_evicting_an_unused_prefetch_is_counted_as_wasted() -> None:
-    table = SlotTable(1, LRUPolicy())
+    table = ExpertSlotTable(1, LRUPolicy())
     table.place([(0, 0)], pin=False, prefetched=True)
     table.complete((0, 0))
     placement = table.place([(0, 1)], pin=False, prefetched=False)
@@ -80,18 +80,18 @@ def test_evicting_an_unused_prefetch_is_counted_as_wasted() -> None:
 
 
 def test_misuse_raises() -> None:
-    table = SlotTable(2, LRUPolicy())
+    table = ExpertSlotTable(2, LRUPolicy())
     _resident(table, (0, 0))
     with pytest.raises(ValueError, match="already resident"):
         table.place([(0, 0)], pin=False, prefetched=False)
     with pytest.raises(KeyError):
         table.unpin((0, 0))
     with pytest.raises(ValueError):
-        SlotTable(0, LRUPolicy())
+        ExpertSlotTable(0, LRUPolicy())
 
 
-def test_drop_frees_the_slot_without_an_eviction() -> None:
-    table = SlotTable(1, LRUPolicy())
+def test_drop_frees_the_expert_slot_without_an_eviction() -> None:
+    table = ExpertSlotTable(1, LRUPolicy())
     table.place([(0, 0)], pin=True, prefetched=False)
     table.drop((0, 0))
     assert len(table) == 0 and not table.is_pinned((0, 0))
@@ -105,7 +105,7 @@ def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> No
     """Whatever happens, victims are only unpinned landed residents, LRU evicts the oldest, a
     prefetch passes over open predictions (prefetched or expected while resident, not used since)
     and a demand copy takes them only when nothing else can go."""
-    table = SlotTable(3, LRUPolicy())
+    table = ExpertSlotTable(3, LRUPolicy())
     last_use: dict[tuple[int, int], int] = {}
     open_predictions: set[tuple[int, int]] = set()
     for clock, (op, e) in enumerate(ops):
@@ -140,7 +140,7 @@ def test_random_operations_keep_the_invariants(ops: list[tuple[str, int]]) -> No
         assert len(table) <= table.capacity
 
 
-def _should_be_evictable(table: SlotTable) -> set[tuple[int, int]]:
+def _should_be_evictable(table: ExpertSlotTable) -> set[tuple[int, int]]:
     return {(0, e) for e in range(6)
             if (0, e) in table and not table.is_pinned((0, e)) and not table.is_in_flight((0, e))}
 
@@ -148,7 +148,7 @@ def _should_be_evictable(table: SlotTable) -> set[tuple[int, int]]:
 def test_a_prefetch_never_evicts_an_open_prediction() -> None:
     """Prefetched and unused, its layer not yet run: other prefetches leave it, a demand copy
     may take it, and once its layer ran without it any copy may."""
-    table = SlotTable(2, LRUPolicy())
+    table = ExpertSlotTable(2, LRUPolicy())
     for key in ((0, 1), (1, 1)):  # predictions for layers 0 and 1, both landed
         table.place([key], pin=False, prefetched=True)
         table.complete(key)
@@ -163,7 +163,7 @@ def test_a_prefetch_never_evicts_an_open_prediction() -> None:
 
 
 def test_a_demand_copy_takes_an_open_prediction_only_when_nothing_else_can_go() -> None:
-    table = SlotTable(2, LRUPolicy())
+    table = ExpertSlotTable(2, LRUPolicy())
     table.place([(1, 1)], pin=False, prefetched=True)  # the oldest resident, but an open prediction
     table.complete((1, 1))
     _resident(table, (0, 2))
@@ -176,7 +176,7 @@ def test_a_demand_copy_takes_an_open_prediction_only_when_nothing_else_can_go() 
 
 def test_an_expected_resident_expert_is_kept_like_a_prefetched_one() -> None:
     """Predicted while already resident: a prefetch passes over it, its layer's run ends it."""
-    table = SlotTable(2, LRUPolicy())
+    table = ExpertSlotTable(2, LRUPolicy())
     _resident(table, (1, 1), (0, 2))  # (1, 1) is the least recently used
     table.expect([(1, 1), (1, 7)])  # (1, 7) is not resident: nothing to keep
     later = table.place([(0, 4)], pin=False, prefetched=True)
@@ -187,9 +187,9 @@ def test_an_expected_resident_expert_is_kept_like_a_prefetched_one() -> None:
 
 
 def test_kept_keys_are_never_victims_until_keeping_ends() -> None:
-    """A streamed span's kept experts: neither a prefetch nor a demand copy may take their slots,
+    """A streamed span's kept experts: neither a prefetch nor a demand copy may take their expert slots,
     room counts only the others, and a layer's keep replaces only that layer's kept keys."""
-    table = SlotTable(3, LRUPolicy())
+    table = ExpertSlotTable(3, LRUPolicy())
     _resident(table, (0, 0), (1, 0), (0, 1))  # (0, 0) is the least recently used
     table.keep(0, [(0, 0), (0, 1)])
     assert table.kept == 2 and table.room() == 1 and not table.can_hold([(2, 0), (2, 1)])

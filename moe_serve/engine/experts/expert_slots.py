@@ -1,11 +1,12 @@
-"""SlotTable: which expert sits in which cache slot, which slots are pinned or still being filled.
+"""ExpertSlotTable: which expert sits in which expert slot of the cache, which expert slots are
+pinned or still being filled.
 
 Plain Python, no torch, not thread-safe (ExpertCache holds a lock around it). The replay tool
 drives the very same table with a recorded trace.
 
-A slot is evictable only when it is resident, unpinned (no compute is about to read it) and not
-in flight (its copy may still be writing). When nothing is evictable the table says so by
-placing fewer keys than asked; it never waits.
+An expert slot is evictable only when it is resident, unpinned (no compute is about to read
+it) and not in flight (its copy may still be writing). When nothing is evictable the table says
+so by placing fewer keys than asked; it never waits.
 
 A prefetch never evicts an open prediction: an expert predicted for a coming run of its layer
 (prefetched, or resident already when predicted: `expect`), not used since, whose layer has not
@@ -18,8 +19,9 @@ otherwise evict a fresh guess first), and once its layer has run without it, it 
 guess and any copy may.
 
 A streamed span (streaming.py) may keep experts: kept keys are never victims, so they stay
-resident from one streamed run of their layer to the next while the other slots stream. Keeping
-ends when the runner says so (`keep_nothing`), before any run that needs the whole table again.
+resident from one streamed run of their layer to the next while the other expert slots stream.
+Keeping ends when the runner says so (`keep_nothing`), before any run that needs the whole table
+again.
 """
 from __future__ import annotations
 
@@ -32,17 +34,17 @@ from moe_serve.engine.experts.policies import EvictionPolicy, Key
 @dataclass(frozen=True)
 class Eviction:
     key: Key
-    slot: int
+    expert_slot: int
     wasted_prefetch: bool  # prefetched, then evicted before any compute used it
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Keys given a slot (now in flight: the caller copies into the slot, then calls complete)."""
+    """Keys given an expert slot (now in flight: the caller copies into it, then calls complete)."""
 
-    placed: list[tuple[Key, int]]
+    placed: list[tuple[Key, int]]  # (key, its expert slot)
     evictions: list[Eviction]
-    unplaced: list[Key]  # no slot could be freed for these
+    unplaced: list[Key]  # no expert slot could be freed for these
 
 
 @dataclass(frozen=True)
@@ -55,14 +57,14 @@ class WavePlan:
     misses: Placement
 
 
-class SlotTable:
+class ExpertSlotTable:
     def __init__(self, capacity: int, policy: EvictionPolicy) -> None:
         if capacity < 1:
-            raise ValueError(f"a slot table needs at least one slot, got capacity={capacity}")
+            raise ValueError(f"an expert slot table needs at least one expert slot, got capacity={capacity}")
         self.capacity = capacity
         self.policy = policy
-        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out slot 0 first
-        self._slot: dict[Key, int] = {}
+        self._free = list(range(capacity - 1, -1, -1))  # pop() hands out expert slot 0 first
+        self._expert_slot: dict[Key, int] = {}
         self._pins: dict[Key, int] = {}
         self._in_flight: set[Key] = set()
         self._unused_prefetch: set[Key] = set()
@@ -71,16 +73,16 @@ class SlotTable:
         self._kept: set[Key] = set()  # never victims: a streamed span's residents (resident or not yet)
 
     def __len__(self) -> int:
-        return len(self._slot)
+        return len(self._expert_slot)
 
     def __contains__(self, key: Key) -> bool:
-        return key in self._slot
+        return key in self._expert_slot
 
-    def slot_of(self, key: Key) -> int:
-        return self._slot[key]
+    def expert_slot_of(self, key: Key) -> int:
+        return self._expert_slot[key]
 
     @property
-    def free_slots(self) -> int:
+    def free_expert_slots(self) -> int:
         return len(self._free)
 
     def in_flight(self) -> list[Key]:
@@ -93,7 +95,7 @@ class SlotTable:
         return key in self._pins
 
     def pin(self, key: Key) -> None:
-        if key not in self._slot:
+        if key not in self._expert_slot:
             raise KeyError(f"cannot pin {key}: not resident")
         self._pins[key] = self._pins.get(key, 0) + 1
         self._evictable.discard(key)
@@ -109,12 +111,12 @@ class SlotTable:
             self._pins[key] = count - 1
 
     def complete(self, key: Key) -> None:
-        """The copy into `key`'s slot is known to be done (or ordered before every reader)."""
+        """The copy into `key`'s expert slot is known to be done (or ordered before every reader)."""
         self._in_flight.discard(key)
         self._mark_if_evictable(key)
 
     def drop(self, key: Key) -> None:
-        """Forget `key` without counting an eviction: its copy failed, the slot holds garbage."""
+        """Forget `key` without counting an eviction: its copy failed, its expert slot holds garbage."""
         self._pins.pop(key, None)
         self._in_flight.discard(key)
         self._evict(key)
@@ -130,14 +132,14 @@ class SlotTable:
 
     def expect(self, keys: Sequence[Key]) -> None:
         """`keys` are predicted for the next run of their layers: the resident ones become open predictions."""
-        self._open_predictions.update(key for key in keys if key in self._slot)
+        self._open_predictions.update(key for key in keys if key in self._expert_slot)
 
     def evictable(self) -> set[Key]:
         return self._evictable
 
     @property
     def kept(self) -> int:
-        """Keys kept, resident or still to be copied: at most this many slots are not streaming."""
+        """Keys kept, resident or still to be copied: at most this many expert slots are not streaming."""
         return len(self._kept)
 
     def is_kept(self, key: Key) -> bool:
@@ -151,20 +153,21 @@ class SlotTable:
         self._kept.clear()
 
     def room(self) -> int:
-        """Keys a prefetch can place now: free slots and the victims it may take (not kept, not an open prediction)."""
+        """Keys a prefetch can place now: free expert slots and the victims it may take (not kept,
+        not an open prediction)."""
         return len(self._free) + len(self._victims(prefetched=True))
 
     def can_hold(self, keys: Sequence[Key]) -> bool:
         """Whether plan_wave(keys) would place every missing key (no leftover) right now."""
         wanted = set(keys)
-        missing = sum(key not in self._slot for key in wanted)
+        missing = sum(key not in self._expert_slot for key in wanted)
         return missing <= len(self._free) + len(self._victims(prefetched=False) - wanted)
 
     def place(self, keys: Sequence[Key], *, pin: bool, prefetched: bool) -> Placement:
-        """Give each non-resident key a slot, in order, evicting through the policy as needed."""
+        """Give each non-resident key an expert slot, in order, evicting through the policy as needed."""
         for key in keys:
-            if key in self._slot:
-                raise ValueError(f"{key} is already resident in slot {self._slot[key]}")
+            if key in self._expert_slot:
+                raise ValueError(f"{key} is already resident in expert slot {self._expert_slot[key]}")
         shortfall = len(keys) - len(self._free)
         victims = self.policy.victims(self._victims(prefetched=True), shortfall) if shortfall > 0 else []
         if not prefetched and len(victims) < shortfall:
@@ -180,11 +183,11 @@ class SlotTable:
         if keys:  # the layer runs: its open predictions it does not ask for were wrong
             layer, wanted = keys[0][0], set(keys)
             self._open_predictions = {k for k in self._open_predictions if k[0] != layer or k in wanted}
-        hits = [k for k in keys if k in self._slot]
+        hits = [k for k in keys if k in self._expert_slot]
         for key in hits:
             self.pin(key)
         prefetch_used = sum(self.use(k) for k in hits)
-        misses = self.place([k for k in keys if k not in self._slot], pin=True, prefetched=False)
+        misses = self.place([k for k in keys if k not in self._expert_slot], pin=True, prefetched=False)
         for key, _ in misses.placed:
             self.use(key)
         in_flight = [k for k in hits if k in self._in_flight]
@@ -196,12 +199,12 @@ class SlotTable:
         return candidates - self._open_predictions if prefetched else candidates
 
     def _mark_if_evictable(self, key: Key) -> None:
-        if key in self._slot and key not in self._pins and key not in self._in_flight:
+        if key in self._expert_slot and key not in self._pins and key not in self._in_flight:
             self._evictable.add(key)
 
     def _occupy(self, key: Key, *, pin: bool, prefetched: bool) -> int:
-        slot = self._free.pop()
-        self._slot[key] = slot
+        expert_slot = self._free.pop()
+        self._expert_slot[key] = expert_slot
         self._in_flight.add(key)
         if pin:
             self._pins[key] = 1
@@ -209,14 +212,14 @@ class SlotTable:
             self._unused_prefetch.add(key)
             self._open_predictions.add(key)
         self.policy.admit(key)
-        return slot
+        return expert_slot
 
     def _evict(self, key: Key) -> Eviction:
-        slot = self._slot.pop(key)
-        self._free.append(slot)
+        expert_slot = self._expert_slot.pop(key)
+        self._free.append(expert_slot)
         wasted = key in self._unused_prefetch
         self._unused_prefetch.discard(key)
         self._open_predictions.discard(key)
         self._evictable.discard(key)
         self.policy.evicted(key)
-        return Eviction(key=key, slot=slot, wasted_prefetch=wasted)
+        return Eviction(key=key, expert_slot=expert_slot, wasted_prefetch=wasted)
