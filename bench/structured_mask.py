@@ -23,7 +23,6 @@ import json
 import random
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -32,6 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# the schema and the synthetic tokenizer are shared with grammar_engines.py (llguidance vs xgrammar)
+from bench.grammar_engines import SCHEMA, synthetic_tokenizer  # noqa: E402
 from moe_serve.engine.config import EngineConfig  # noqa: E402
 from moe_serve.engine.core import EngineCore  # noqa: E402
 from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput  # noqa: E402
@@ -39,30 +40,10 @@ from moe_serve.engine.sampler import SamplingBatch, SamplingRow, sample  # noqa:
 from moe_serve.engine.structured import Grammars, MaskFiller  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "moe_serve" / "models" / "default"
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "name", "tags", "score", "active"],
-          "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
-                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-                         "score": {"type": "number"}, "active": {"type": "boolean"}}}
 ARRAY_ITEMS = 48  # the engine run's schema: exactly this many one-digit integers, ~2 tokens each
 # constrained and unconstrained runs alternate, each round giving one ratio: a host's drift between
 # two long runs moved the ratio more than the masks cost
 ENGINE_ROUNDS = 6
-
-
-def synthetic_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on this Python's standard library: a real model's vocabulary size for
-    the mask costs, which grow with the tokenizer (no large tokenizer ships with this repository)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    texts = (f.read_text(errors="replace") for f in files)  # a few test files are not UTF-8
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
 
 
 def sync(device: torch.device) -> None:
