@@ -44,6 +44,12 @@ class MemoryPlan:
     kv_bytes: int  # the paged KV cache
     expert_bytes: int  # the expert cache
     all_expert_bytes: int
+    one_expert_bytes: int  # one expert in its format: an expert slot of the cache
+
+    @property
+    def expert_slots(self) -> int:
+        """Experts that fit in the expert cache at once."""
+        return self.expert_bytes // self.one_expert_bytes if self.one_expert_bytes else 0
 
     @property
     def expert_budget(self) -> str | None:
@@ -53,7 +59,8 @@ class MemoryPlan:
     def describe(self) -> str:
         parts = (f"in use at start-up {_gib(self.in_use_bytes)} + weights {_gib(self.weight_bytes)} + one-sequence KV {_gib(self.sequence_kv_bytes)} + "
                  f"activations {_gib(self.activation_bytes)} + paged KV {_gib(self.kv_bytes)} + experts "
-                 f"{_gib(self.expert_bytes)} of {_gib(self.all_expert_bytes)}")
+                 f"{_gib(self.expert_bytes)} of {_gib(self.all_expert_bytes)} ({self.expert_slots} expert slots of "
+                 f"{self.one_expert_bytes / 2**20:.1f} MiB)")
         if self.usable_bytes is None:
             return parts + " (on the cpu: --gpu-memory-utilization does not apply)"
         return f"{parts} = {_gib(self.total_bytes)} of the {_gib(self.usable_bytes)} --gpu-memory-utilization allows"
@@ -70,7 +77,8 @@ def plan_memory(config: EngineConfig, model: ModelConfig, draft: ModelConfig | N
     Raises ConfigError when the parts cannot fit."""
     per_block = kv_bytes_per_token(model, dtype) * block_size
     one_sequence_kv = blocks_for(max_len, block_size) * per_block
-    all_experts = model.num_moe_layers * model.num_experts * model.expert_layout(dtype, config.expert_quant).nbytes
+    one_expert = model.expert_layout(dtype, config.expert_quant).nbytes if model.is_moe else 0
+    all_experts = model.num_moe_layers * model.num_experts * one_expert
     models = (model,) if draft is None else (model, draft)
     weights = sum(non_expert_bytes(m, dtype) for m in models)
     sequence_kv = sum(kv_bytes_per_token(m, dtype) * max_len for m in models)
@@ -79,7 +87,7 @@ def plan_memory(config: EngineConfig, model: ModelConfig, draft: ModelConfig | N
     fixed_experts = _budget_bytes(config.gpu_expert_budget, all_experts)
     full_kv = config.max_num_seqs * one_sequence_kv
     parts = dict(weight_bytes=weights, sequence_kv_bytes=sequence_kv, activation_bytes=activations,
-                 all_expert_bytes=all_experts)
+                 all_expert_bytes=all_experts, one_expert_bytes=one_expert)
     if device_bytes is None:
         return MemoryPlan(None, 0, kv_bytes=fixed_kv if fixed_kv is not None else full_kv,
                           expert_bytes=fixed_experts if fixed_experts is not None else all_experts, **parts)

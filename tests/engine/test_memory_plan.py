@@ -65,6 +65,14 @@ def test_a_fixed_expert_budget_gives_the_rest_to_the_kv_cache() -> None:
     assert one_sequence <= p.kv_bytes <= p.usable_bytes - fixed - p.expert_bytes
 
 
+def test_the_plan_says_how_many_expert_slots_fit() -> None:
+    experts = MODEL.num_moe_layers * MODEL.num_experts
+    p = plan(80 * GIB, gpu_expert_budget="25%")
+    assert p.expert_slots == experts // 4 and p.one_expert_bytes * experts == ALL_EXPERTS
+    assert f"({experts // 4} expert slots of " in p.describe()
+    assert plan(80 * GIB).expert_slots == experts
+
+
 def test_a_fixed_kv_cache_gives_the_rest_to_experts() -> None:
     p = plan(80 * GIB, kv_cache_memory="8MiB")
     assert p.kv_bytes == 8 * 2**20 and p.expert_bytes == ALL_EXPERTS
