@@ -345,6 +345,15 @@ def dependency_closure(names: list[str]) -> dict[str, float]:
     return {k: v for k, v in sizes.items() if v is not None}
 
 
+def print_and_save(result: dict, out: Path | None) -> None:
+    """The report on stdout, and in `out` when given (its folder made)."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint dir whose tokenizer to use")
@@ -381,11 +390,7 @@ def main() -> None:
         "import_s": {"llguidance": import_seconds("llguidance"), "xgrammar": import_seconds("xgrammar")},
         "footprint": {"llguidance": footprint("llguidance"), "xgrammar": footprint("xgrammar")},
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_and_save(result, args.out)
 
 
 if __name__ == "__main__":

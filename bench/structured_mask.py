@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# the schema and the synthetic tokenizer are shared with grammar_engines.py (llguidance vs xgrammar)
-from bench.grammar_engines import SCHEMA, synthetic_tokenizer  # noqa: E402
+# the schema, the synthetic tokenizer and the report's output are shared with grammar_engines.py (llguidance vs xgrammar)
+from bench.grammar_engines import SCHEMA, print_and_save, synthetic_tokenizer  # noqa: E402
 from moe_serve.engine.config import EngineConfig  # noqa: E402
 from moe_serve.engine.core import EngineCore  # noqa: E402
 from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput  # noqa: E402
@@ -172,11 +172,7 @@ def main() -> None:
               "mask": [bench_masks(grammars, b, args.steps, device, vocab) for b in args.batch]}
     if not args.no_engine:
         result["engine"] = [bench_engine(args.model, args.device, b) for b in args.batch]
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    print_and_save(result, args.out)
 
 
 if __name__ == "__main__":
