@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--cpu-experts", default="off", choices=["off", "auto"])
     parser.add_argument("--spec", default="off", choices=["off", "self", "draft"],
-                        help="speculate when a sequence decodes alone (draft: the default model's dense draft)")
+                        help="--spec of the engine: alone or as a batch, where measured to pay (draft: the default model's dense draft)")
     parser.add_argument("--spec-tokens", type=int, default=12)
     parser.add_argument("--expert-quant", default="none", help="the experts' format (moe-serve's --expert-quant)")
     parser.add_argument("--name", default=None, help="result file stem (default: batch-TABLE[-BUDGET])")

@@ -2,10 +2,13 @@
 
 The scheduler (moe_serve/engine/scheduler.py) picks which chunks of which sequences run in a step, and
 every scheduled sequence runs in ONE forward over the paged KV cache (moe_serve/engine/model_runner.py),
-so the tokens of all of them share each expert copy. With --spec, a sequence decoding alone
-speculates instead while that is measured to pay (moe_serve/engine/speculative/switch.py): its KV moves from the
-paged cache into the speculative decoder's one-sequence cache and its new positions move back
-after each draft/verify round, so the next batched step finds it where it left off.
+so the tokens of all of them share each expert copy. With --spec, a step of decoding sequences
+only (no prefill, no grammar) drafts and verifies instead while that is measured to pay for its
+batch size (moe_serve/engine/speculative/switch.py). Several sequences speculate as one batch over the
+paged cache (moe_serve/engine/speculative/batched.py). A sequence decoding alone runs the lone
+decoder, which also prefetches the verify pass's experts from the draft's predictions: its KV moves
+from the paged cache into that decoder's one-sequence cache and its new positions move back after
+each round, so the next batched step finds it where it left off.
 """
 from __future__ import annotations
 
@@ -77,18 +80,42 @@ class EngineCore:
         started = time.perf_counter()
         decoding = [c.seq for c in scheduled.chunks if c.seq.output_ids and c.samples]  # not a prefill
         before = {id(s): len(s.output_ids) for s in decoding}
-        lone = len(decoding) == len(scheduled.chunks) == 1
-        # constrained sequences decode plainly: a draft would need the grammar's mask at every position
-        speculate = (lone and self.runtime.decoder is not None and decoding[0].grammar is None
-                     and draft_verify_honours(decoding[0].params, len(decoding[0].output_ids))
-                     and self.spec_switch.speculate(len(self.scheduler.running), len(self.scheduler.waiting)))
-        outputs = self._speculative_step(decoding[0]) if speculate else self._batched_step(scheduled.chunks)
+        could = self._could_speculate(scheduled.chunks, decoding)
+        speculate = could and self.spec_switch.speculate(len(decoding)) and self._reserve_drafts(decoding)
+        if not speculate:
+            outputs = self._batched_step(scheduled.chunks)
+        elif len(decoding) == 1:
+            outputs = self._speculative_step(decoding[0])
+        else:
+            outputs = self._batched_speculative_step(scheduled.chunks, decoding)
         elapsed = time.perf_counter() - started
         produced = [len(seq.output_ids) - before[id(seq)] for seq in decoding]
         for count in produced:  # a prefill's token counts for TTFT, not TPOT
             self.tpot_samples.extend([elapsed / count] * count)
-        self.spec_switch.record(speculate if lone else None, elapsed, sum(produced))
+        self.spec_switch.record(len(decoding) if could else None, speculate, elapsed, sum(produced))
         return outputs
+
+    def _could_speculate(self, chunks: list[ScheduledChunk], decoding: list[Sequence]) -> bool:
+        """Every scheduled sequence decodes, with sampling draft/verify honours: constrained ones decode
+        plainly (a draft would need the grammar's mask at every position). A lone sequence moves into
+        the lone decoder's cache, so only with nothing else running or waiting; a batch's verify pass
+        must fit the step's token budget."""
+        if self.runtime.decoder is None or len(decoding) != len(chunks):
+            return False
+        if not all(s.grammar is None and draft_verify_honours(s.params, len(s.output_ids)) for s in decoding):
+            return False
+        if len(decoding) == 1:
+            return len(self.scheduler.running) == 1 and not self.scheduler.waiting
+        return (all(c.num_tokens == 1 for c in chunks)
+                and len(chunks) * (self.config.spec_tokens + 1) <= self.scheduler.config.max_num_batched_tokens)
+
+    def _reserve_drafts(self, decoding: list[Sequence]) -> bool:
+        """KV blocks for every position a batch's round may write; when they are short, decode plainly."""
+        if len(decoding) == 1:
+            return True  # the lone decoder writes its own cache; the blocks grow after the round
+        speculator = self.runtime.speculator
+        return self.scheduler.reserve([(s, speculator.positions_needed(s, self.runtime.max_model_len))
+                                       for s in decoding])
 
     def _batched_step(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
         """One forward for every chunk. If it fails, each chunk is retried alone, so only the
@@ -112,6 +139,22 @@ class EngineCore:
                 self.scheduler.finish(seq)
             outputs.append(self._output(seq))
         return outputs
+
+    def _batched_speculative_step(self, chunks: list[ScheduledChunk], seqs: list[Sequence]) -> list[RequestOutput]:
+        """One draft/verify round of several decoding sequences over the paged cache. If a forward
+        fails, no sequence has changed yet: the step decodes plainly, each request failing alone."""
+        max_len = self.runtime.max_model_len
+        try:
+            verified = self.runtime.speculator.draft_and_verify(seqs, max_len)
+        except Exception:  # a failing request must not take its batch down: the plain step isolates it
+            self.runtime.finish_step()
+            return self._batched_step(chunks)
+        self.runtime.finish_step()
+        self.runtime.speculator.accept(verified, max_len)
+        for seq in seqs:
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+        return [self._output(seq) for seq in seqs]
 
     def _speculative_step(self, seq: Sequence) -> list[RequestOutput]:
         """One draft/verify round of a sequence decoding alone, over the decoder's own caches."""

@@ -221,7 +221,9 @@ class GraphedBatchStep:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_batch = batch_bucket(max_num_seqs) or BATCH_BUCKETS[-1]
         self.max_tokens = batch_bucket(max_num_batched_tokens) or BATCH_BUCKETS[-1]
-        self.capture = GraphCapture(model, runner, 4 * self.max_tokens + self.max_batch * (1 + max_blocks))
+        # inputs: ids, positions, KV slots, sequence rows (a token bucket each), logit rows (up to
+        # every token: a verify pass reads all of its), block tables
+        self.capture = GraphCapture(model, runner, 5 * self.max_tokens + self.max_batch * (1 + max_blocks))
         # the Triton attention reads every bound from the device, so one capture serves any span; the
         # torch path gathers a host-sized span, and each span bucket is its own capture
         self.spans_differ = not paged_attention_supported(cache.keys[0, :0, 0], cache.keys[0], cache.values[0])
@@ -232,18 +234,21 @@ class GraphedBatchStep:
         return (tokens is not None and tokens <= self.max_tokens and batch <= self.max_batch
                 and max(chunk_lengths) < PREFILL_RUN_MIN_QUERIES and self.capture.accepts(tokens))
 
-    def forward(self, ids: list[int], layout: StepLayout, rows: list[int], max_model_len: int) -> torch.Tensor:
-        """Logits [R, V] of the step's flat token rows `rows` (at most one per sequence)."""
+    def forward(self, ids: list[int], layout: StepLayout, rows: list[int], max_model_len: int,
+                moe_top_r: int | None = None) -> torch.Tensor:
+        """Logits [R, V] of the step's flat token rows `rows` (padded to a bucket too: a decode step
+        reads one per sequence, a verify pass all of its tokens)."""
         t, s, w = len(ids), len(layout.tables), self.max_blocks
         tp, sp = batch_bucket(t), batch_bucket(s)
+        rp = sp if len(rows) <= sp else batch_bucket(len(rows))  # a verify pass reads more rows than sequences
         pad = tp - t
         staged = self.capture.stage()
         staged[0:tp] = ids + ids[:1] * pad
         staged[tp : 2 * tp] = layout.positions + layout.positions[:1] * pad
         staged[2 * tp : 3 * tp] = layout.slots + layout.slots[:1] * pad
         staged[3 * tp : 4 * tp] = layout.query_seq + [0] * pad
-        staged[4 * tp : 4 * tp + sp] = rows + [0] * (sp - len(rows))
-        tables = staged[4 * tp + sp : 4 * tp + sp + sp * w].reshape(sp, w)
+        staged[4 * tp : 4 * tp + rp] = rows + [0] * (rp - len(rows))
+        tables = staged[4 * tp + rp : 4 * tp + rp + sp * w].reshape(sp, w)
         tables[:] = 0
         for row, table in enumerate(layout.tables):
             tables[row, : len(table)] = table
@@ -251,14 +256,18 @@ class GraphedBatchStep:
 
         def forward_static(inputs: torch.Tensor) -> torch.Tensor:
             ids_, positions, slots, query_seq = inputs[: 4 * tp].view(4, tp)
-            logit_rows = inputs[4 * tp : 4 * tp + sp]
-            step = PagedStep(self.cache, positions, slots, query_seq, inputs[4 * tp + sp :].view(sp, w), span)
-            return self.model.forward_batch(ids_, step, None, logit_rows)  # [sp, V]
+            logit_rows = inputs[4 * tp : 4 * tp + rp]
+            step = PagedStep(self.cache, positions, slots, query_seq, inputs[4 * tp + rp :].view(sp, w), span)
+            return self.model.forward_batch(ids_, step, None, logit_rows, moe_top_r)  # [rp, V]
 
-        return self.capture.run((tp, sp, span), 4 * tp + sp + sp * w, t, None, forward_static)[: len(rows)]
+        key = (tp, sp, rp, span, moe_top_r)
+        return self.capture.run(key, 4 * tp + rp + sp * w, t, moe_top_r, forward_static)[: len(rows)]
 
-    def capture_shapes(self, max_model_len: int) -> int:
-        """Capture every step shape this engine can replay, before serving; returns how many.
+    def capture_shapes(self, max_model_len: int, verify_tokens: int | None = None,
+                       draft_top_r: int | None = None) -> int:
+        """Capture every step shape this engine can replay, before serving; returns how many:
+        batched steps, and with batched speculation its verify passes (up to verify_tokens per
+        sequence, every row read) and a self-draft's decode steps at draft_top_r experts.
 
         A shape first met in service is captured there, and its warm-up compiles the Triton kernels
         specialised on it (the expert layout per power of two of pairs, ~1 s each): every sequence in
@@ -267,24 +276,32 @@ class GraphedBatchStep:
         and their steps cost tens of milliseconds of copies anyway."""
         if self.capture.piecewise:
             return 0
-        block_size, count = self.cache.keys.shape[2], 0
-        for lengths in step_shapes(self.max_num_seqs, self.max_num_batched_tokens):
+        plain = step_shapes(self.max_num_seqs, self.max_num_batched_tokens)
+        runs = [(lengths, False, None) for lengths in plain]
+        if verify_tokens is not None:
+            runs += [(lengths, True, None)
+                     for lengths in step_shapes(self.max_num_seqs, self.max_num_batched_tokens, verify_tokens)]
+        if draft_top_r is not None:
+            runs += [(lengths, False, draft_top_r) for lengths in plain if sum(lengths) == len(lengths)]
+        block_size, before = self.cache.keys.shape[2], len(self.capture.graphs)
+        for lengths, every_row, top_r in runs:
             if self.accepts(lengths):
                 # positions 0.. over the first blocks, shared by every sequence: what they write is never read
                 layout = StepLayout.of([(list(range(-(-n // block_size))), 0, n) for n in lengths], block_size)
-                self.forward([0] * sum(lengths), layout, list(range(len(lengths))), max_model_len)
-                count += 1
-        return count
+                rows = range(sum(lengths)) if every_row else range(len(lengths))
+                self.forward([0] * sum(lengths), layout, list(rows), max_model_len, top_r)
+        return len(self.capture.graphs) - before  # a verify of one token per sequence is a decode step
 
 
-def step_shapes(max_num_seqs: int, max_num_batched_tokens: int) -> list[list[int]]:
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int,
+                max_chunk: int = PREFILL_RUN_MIN_QUERIES - 1) -> list[list[int]]:
     """One step's chunk lengths for each (token bucket, sequence bucket) a scheduler within these
-    limits can form from chunks short enough to replay (each under PREFILL_RUN_MIN_QUERIES tokens)."""
+    limits can form from chunks of at most max_chunk tokens (short enough to replay)."""
     shapes = []
     for seq_bucket in BATCH_BUCKETS:
         seqs = min(seq_bucket, max_num_seqs, max_num_batched_tokens)
         for token_bucket in BATCH_BUCKETS:
-            tokens = min(token_bucket, max_num_batched_tokens, seqs * (PREFILL_RUN_MIN_QUERIES - 1))
+            tokens = min(token_bucket, max_num_batched_tokens, seqs * max_chunk)
             if tokens >= seqs and batch_bucket(tokens) == token_bucket and batch_bucket(seqs) == seq_bucket:
                 shapes.append([tokens // seqs + (row < tokens % seqs) for row in range(seqs)])
     return shapes

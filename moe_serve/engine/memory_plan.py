@@ -41,7 +41,7 @@ class MemoryPlan:
     weight_bytes: int  # non-expert weights, target and draft
     sequence_kv_bytes: int  # the contiguous one-sequence KV caches (speculative decoding, references)
     activation_bytes: int
-    kv_bytes: int  # the paged KV cache
+    kv_bytes: int  # the paged KV cache (with a draft model, its paged cache too: same blocks)
     expert_bytes: int  # the expert cache
     all_expert_bytes: int
     one_expert_bytes: int  # one expert in its format: an expert slot of the cache
@@ -75,11 +75,12 @@ def plan_memory(config: EngineConfig, model: ModelConfig, draft: ModelConfig | N
                 max_len: int, block_size: int, device_bytes: int | None, in_use_bytes: int = 0) -> MemoryPlan:
     """device_bytes: the GPU's total memory, None on a CPU; in_use_bytes: what is in use on it now.
     Raises ConfigError when the parts cannot fit."""
-    per_block = kv_bytes_per_token(model, dtype) * block_size
+    models = (model,) if draft is None else (model, draft)
+    # a draft model's paged cache has the target's blocks (batched speculation): a block holds both
+    per_block = sum(kv_bytes_per_token(m, dtype) for m in models) * block_size
     one_sequence_kv = blocks_for(max_len, block_size) * per_block
     one_expert = model.expert_layout(dtype, config.expert_quant).nbytes if model.is_moe else 0
     all_experts = model.num_moe_layers * model.num_experts * one_expert
-    models = (model,) if draft is None else (model, draft)
     weights = sum(non_expert_bytes(m, dtype) for m in models)
     sequence_kv = sum(kv_bytes_per_token(m, dtype) * max_len for m in models)
     activations = 0 if device_bytes is None else activation_bytes(config, model, dtype)

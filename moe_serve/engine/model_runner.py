@@ -30,6 +30,15 @@ class Sampled:
 
 
 @dataclass(frozen=True)
+class Feed:
+    """What one sequence feeds a forward: token_ids at positions start.. over its KV blocks."""
+
+    block_table: list[int]
+    start: int
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
 class ChunkResult:
     sampled: Sampled | None  # the token after the chunk; None for a prefill chunk short of its prompt's end
     prompt_logprobs: list[TokenLogprob]  # of the prompt tokens its positions score (moe_serve/engine/prompt_logprobs.py)
@@ -56,19 +65,29 @@ class ModelRunner:
         return [ChunkResult(sampled.get(i), prompt_logprobs.get(i, [])) for i in range(len(chunks))]
 
     def _forward(self, chunks: list[ScheduledChunk], sampling: list[int], scored: list[range]) -> torch.Tensor:
-        """The logits [S + P, V] of each sampling chunk's last token, then of the scored prompt positions.
-        On CUDA they are still being computed: nothing here waits for the device."""
-        ids = [t for c in chunks for t in c.token_ids]
-        layout = StepLayout.of([(c.seq.block_table, c.start, c.num_tokens) for c in chunks], self.cache.block_size)
-        if self.on_forward is not None:
-            self.on_forward(layout.positions)
+        """The logits [S + P, V] of each sampling chunk's last token, then of the scored prompt positions."""
         offsets = list(accumulate((c.num_tokens for c in chunks), initial=0))  # [C + 1] each chunk's first row
         score_rows = [offsets[i] + p - c.start for i, c in enumerate(chunks) for p in scored[i]]
         rows = [offsets[i + 1] - 1 for i in sampling] + score_rows
-        if (self.graphs is not None and sampling and not score_rows
-                and self.graphs.accepts([c.num_tokens for c in chunks])):
-            return self.graphs.forward(ids, layout, rows, self.max_model_len)  # [S, V]
-        return self._forward_eagerly(chunks, ids, layout, rows)
+        feeds = [Feed(c.seq.block_table, c.start, c.token_ids) for c in chunks]
+        return self.logits(feeds, rows, replay=not score_rows)
+
+    def logits(self, feeds: list[Feed], rows: list[int], moe_top_r: int | None = None,
+               replay: bool = True) -> torch.Tensor:
+        """One forward of every feed's tokens; the logits [R, V] of the flat token rows `rows`. On
+        CUDA they are still being computed: nothing here waits for the device. A step of short
+        feeds replays a CUDA graph when `replay` (speculative decoding's drafts and verify too)."""
+        ids = [t for f in feeds for t in f.token_ids]
+        layout = StepLayout.of([(f.block_table, f.start, len(f.token_ids)) for f in feeds], self.cache.block_size)
+        if self.on_forward is not None:
+            self.on_forward(layout.positions)
+        if replay and rows and self.graphs is not None and self.graphs.accepts([len(f.token_ids) for f in feeds]):
+            return self.graphs.forward(ids, layout, rows, self.max_model_len, moe_top_r)  # [R, V]
+        paged = PagedStep.build(self.cache, layout, self.device)
+        logit_rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)  # [R]
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)  # [T]
+        return self.model.forward_batch(input_ids, paged, [(f.start, len(f.token_ids)) for f in feeds],
+                                        logit_rows, moe_top_r)  # [R, V]
 
     def _sample(self, chunks: list[ScheduledChunk], sampling: list[int], logits: torch.Tensor,
                 masks: PendingMasks | None) -> dict[int, Sampled]:
@@ -88,12 +107,3 @@ class ModelRunner:
         flat = score_prompt_tokens(logits, targets, tops)
         starts = list(accumulate(map(len, scored), initial=0))
         return {i: flat[starts[i]:starts[i + 1]] for i, positions in enumerate(scored) if positions}
-
-    def _forward_eagerly(self, chunks: list[ScheduledChunk], ids: list[int], layout: StepLayout,
-                         rows: list[int]) -> torch.Tensor:
-        """The logits of the batch's rows `rows` [R] (flat token indices)."""
-        paged = PagedStep.build(self.cache, layout, self.device)
-        logit_rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)  # [R]
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)  # [T]
-        return self.model.forward_batch(input_ids, paged, [(c.start, c.num_tokens) for c in chunks],
-                                        logit_rows)  # [R, V]

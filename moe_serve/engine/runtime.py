@@ -24,9 +24,12 @@ from moe_serve.engine.loader import load_model, open_checkpoint, read_config, re
 from moe_serve.engine.memory_plan import MemoryPlan, plan_memory
 from moe_serve.engine.messages import MetricsSnapshot
 from moe_serve.engine.model_runner import ModelRunner
+from moe_serve.engine.models.blocks import CausalLM
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.scheduler import SchedulerConfig
+from moe_serve.engine.speculative.batched import BatchedSpeculator
 from moe_serve.engine.speculative.builder import build_spec_decoder
+from moe_serve.engine.speculative.config import SpecConfig
 from moe_serve.engine.speculative.stats import SpecStats
 from moe_serve.engine.trace import RoutingRecorder
 
@@ -50,6 +53,7 @@ class Runtime:
     runner: CachedExpertRunner | None
     decoder: Decoder | None  # the speculative decoder (--spec), for sequences decoding alone
     batch_runner: ModelRunner  # every scheduled sequence in one forward
+    speculator: BatchedSpeculator | None  # --spec for a batch of decoding sequences, over the paged cache
     scheduler_config: SchedulerConfig
     max_model_len: int
     spec_stats: SpecStats = field(default_factory=SpecStats)
@@ -216,32 +220,52 @@ def build_runtime(config: EngineConfig) -> Runtime:
                         graphs=_graphs(config, loaded.model, kv, runner))
     spec_stats = SpecStats()
     decoder: Decoder | None = None
+    drafts: list[CausalLM] = []
     if config.spec != "off":
         def load_draft() -> BoundModel:
-            draft = load_model(config.draft, device, dtype).model
-            draft_kv = KVCache.for_model(draft.config, max_len, device=device, dtype=dtype)
-            return BoundModel(draft, draft_kv, device, graphs=_graphs(config, draft, draft_kv, None))
+            drafts.append(load_model(config.draft, device, dtype).model)
+            draft_kv = KVCache.for_model(drafts[-1].config, max_len, device=device, dtype=dtype)
+            return BoundModel(drafts[-1], draft_kv, device, graphs=_graphs(config, drafts[-1], draft_kv, None))
 
         decoder = build_spec_decoder(config, target, runner, load_draft, spec_stats)
-    scheduler_config = _batching(config, loaded.config, dtype, max_len, plan.kv_bytes)
-    paged = PagedKVCache.for_model(loaded.config, scheduler_config.num_blocks, KV_BLOCK_SIZE, device=device,
-                                   dtype=dtype)
-    batch_graphs = None
-    if _graphable(config, loaded.model, paged.keys, runner):
-        batch_graphs = GraphedBatchStep(loaded.model, paged, runner, config.max_num_seqs,
-                                        config.max_num_batched_tokens, blocks_for(max_len, KV_BLOCK_SIZE))
-        started = time.perf_counter()
-        captured = batch_graphs.capture_shapes(max_len)
-        if runner is not None:
-            runner.cache.stats.clear()
-        log.info("captured CUDA graphs of %d batched step shapes in %.1f s", captured, time.perf_counter() - started)
-    batch_runner = ModelRunner(loaded.model, paged, max_len, on_forward=recorder.begin_forward if recorder else None,
-                               graphs=batch_graphs)
+    draft = drafts[0] if drafts else None
+    scheduler_config = _batching(config, loaded.config, draft.config if draft else None, dtype, max_len,
+                                 plan.kv_bytes)
+    verify_tokens = config.spec_tokens + 1 if decoder is not None else None
+    self_draft_top_r = config.spec_top_r if config.spec == "self" else None
+    batch_runner = _model_runner(config, loaded.model, runner, scheduler_config, max_len, dtype, recorder,
+                                 verify_tokens, self_draft_top_r)
+    speculator = None
+    if decoder is not None:
+        draft_runner = None if draft is None else _model_runner(config, draft, None, scheduler_config, max_len, dtype)
+        speculator = BatchedSpeculator(batch_runner, draft_runner, SpecConfig.from_engine(config), spec_stats)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),
                                   "spec": config.spec,
                                   "experts": runner.layout.describe() if runner is not None else None})
-    return Runtime(config, loaded.config, target, runner, decoder, batch_runner, scheduler_config, max_len, spec_stats,
-                   recorder)
+    return Runtime(config, loaded.config, target, runner, decoder, batch_runner, speculator, scheduler_config, max_len,
+                   spec_stats, recorder)
+
+
+def _model_runner(config: EngineConfig, model: CausalLM, runner: CachedExpertRunner | None,
+                  scheduler_config: SchedulerConfig, max_len: int, dtype: torch.dtype,
+                  recorder: RoutingRecorder | None = None, verify_tokens: int | None = None,
+                  self_draft_top_r: int | None = None) -> ModelRunner:
+    """A model's batched forwards over a paged KV cache of the scheduler's blocks, with every step shape
+    it can replay captured as a CUDA graph now (GraphedBatchStep.capture_shapes: for a speculating
+    target also its verify passes of up to verify_tokens per sequence, and its self-drafts)."""
+    paged = PagedKVCache.for_model(model.config, scheduler_config.num_blocks, KV_BLOCK_SIZE, device=model.device,
+                                   dtype=dtype)
+    graphs = None
+    if _graphable(config, model, paged.keys, runner):
+        graphs = GraphedBatchStep(model, paged, runner, config.max_num_seqs, config.max_num_batched_tokens,
+                                  blocks_for(max_len, KV_BLOCK_SIZE))
+        started = time.perf_counter()
+        captured = graphs.capture_shapes(max_len, verify_tokens, self_draft_top_r)
+        if runner is not None:
+            runner.cache.stats.clear()
+        log.info("captured CUDA graphs of %d batched step shapes of %s in %.1f s", captured, model.config.architecture,
+                 time.perf_counter() - started)
+    return ModelRunner(model, paged, max_len, on_forward=recorder.begin_forward if recorder else None, graphs=graphs)
 
 
 def _memory_plan(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_len: int,
@@ -256,16 +280,19 @@ def _memory_plan(config: EngineConfig, model_config: ModelConfig, dtype: torch.d
     return plan
 
 
-def _batching(config: EngineConfig, model_config: ModelConfig, dtype: torch.dtype, max_len: int,
-              kv_bytes: int) -> SchedulerConfig:
-    """The scheduler's limits and the paged KV cache's size (memory_plan's), with the arithmetic in the log."""
+def _batching(config: EngineConfig, model_config: ModelConfig, draft_config: ModelConfig | None, dtype: torch.dtype,
+              max_len: int, kv_bytes: int) -> SchedulerConfig:
+    """The scheduler's limits and the paged KV cache's size (memory_plan's), with the arithmetic in the log.
+    With a draft model its paged cache has the same blocks (batched speculation), so a block costs both."""
     per_token = kv_bytes_per_token(model_config, dtype)
-    per_block = per_token * KV_BLOCK_SIZE
+    draft_per_token = kv_bytes_per_token(draft_config, dtype) if draft_config is not None else 0
+    per_block = (per_token + draft_per_token) * KV_BLOCK_SIZE
     num_blocks = kv_bytes // per_block
     scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, num_blocks, KV_BLOCK_SIZE,
                                        max_len)
-    log.info("KV cache: %d bytes per token, %d blocks of %d tokens = %.1f MiB: %d tokens, %.1f sequences of "
-             "max_model_len %d (at most %d run at once, %d tokens per step)", per_token, num_blocks, KV_BLOCK_SIZE,
-             num_blocks * per_block / 2**20, num_blocks * KV_BLOCK_SIZE, num_blocks * KV_BLOCK_SIZE / max_len, max_len,
-             config.max_num_seqs, config.max_num_batched_tokens)
+    draft_note = f" + {draft_per_token} of the draft model's" if draft_config is not None else ""
+    log.info("KV cache: %d bytes per token%s, %d blocks of %d tokens = %.1f MiB: %d tokens, %.1f sequences of "
+             "max_model_len %d (at most %d run at once, %d tokens per step)", per_token, draft_note, num_blocks,
+             KV_BLOCK_SIZE, num_blocks * per_block / 2**20, num_blocks * KV_BLOCK_SIZE,
+             num_blocks * KV_BLOCK_SIZE / max_len, max_len, config.max_num_seqs, config.max_num_batched_tokens)
     return scheduler_config

@@ -134,11 +134,21 @@ class Scheduler:
         """Recompute later: free the blocks now, keep the tokens, go back to the front of the queue."""
         self.running.remove(seq)
         self.blocks.free(seq)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_draft_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def reserve(self, wanted: list[tuple[Sequence, int]]) -> bool:
+        """Grow each running seq's blocks to hold its first n positions, all or none (speculation's
+        drafted positions: when the blocks are short the step decodes plainly instead)."""
+        missing = sum(self.blocks.blocks_missing(seq, n) for seq, n in wanted)
+        if missing > self.blocks.num_free_blocks:
+            return False
+        for seq, n in wanted:
+            self.blocks.grow(seq, n)
+        return True
 
     def advance(self, chunk: ScheduledChunk) -> None:
         """The step computed chunk's tokens: they are in the KV cache now."""

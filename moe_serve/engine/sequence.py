@@ -43,9 +43,14 @@ class Sequence:
     emitted_prompt_logprobs: int = 0  # prompt_logprobs already sent
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # all_ids[:num_computed_tokens] have their KV in block_table's blocks
+    # all_ids[:num_draft_computed_tokens] have their KV in the draft model's paged cache, same blocks
+    # (batched speculation with --spec draft: moe_serve/engine/speculative/batched.py)
+    num_draft_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     grammar: GrammarMatcher | None = None  # where its constrained output stands (params.structured)
+    # batched speculation's random draws (a torch.Generator seeded from `seed` on first use)
+    spec_generator: object | None = None
 
     @classmethod
     def from_request(cls, request: GenerateRequest) -> "Sequence":

@@ -209,11 +209,11 @@ def drain(core: EngineCore, outputs: dict[str, list[RequestOutput]], steps: int 
 
 
 class WheneverAlone(SpecSwitch):
-    """Speculate on every step that can, whatever it costs (the measured choice is tested in
-    tests/engine/speculative/test_switch.py)."""
+    """Speculate on every lone step, whatever it costs, and never as a batch (the measured choice
+    is tested in tests/engine/speculative/test_switch.py)."""
 
-    def speculate(self, running: int, waiting: int) -> bool:
-        return running == 1 and not waiting
+    def speculate(self, batch: int) -> bool:
+        return batch == 1
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])

@@ -83,6 +83,34 @@ def test_batched_step_shapes_are_captured_at_start_up(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_verify_passes_and_self_drafts_of_a_batch_are_captured_at_start_up(tmp_path):
+    from moe_serve.engine.core import EngineCore
+    from moe_serve.engine.messages import GenerateRequest, SamplingParams
+    from moe_serve.engine.speculative.switch import SpecSwitch
+
+    class AsABatch(SpecSwitch):
+        def speculate(self, batch: int) -> bool:
+            return batch > 1
+
+    path = str(build_tiny_checkpoint("qwen3_moe", tmp_path / "m"))
+    core = EngineCore(EngineConfig(model=path, device="cuda", dtype="float32", max_num_seqs=8,
+                                   max_num_batched_tokens=64, spec="self", spec_tokens=3))
+    core.spec_switch = AsABatch()
+    graphs = core.runtime.batch_runner.graphs.capture.graphs
+    captured = set(graphs)
+    assert {key[-1] for key in captured} == {None, 1}  # all experts, and the self-draft's top-r = 1
+    assert any(rows > seqs for _, seqs, rows, _, _ in captured)  # verify passes read every token's row
+    for i in range(6):
+        prompt = tuple(PROMPT[: 2 + i % 5]) * (1 + i)
+        assert core.add_request(GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0))) is None
+    while core.has_unfinished():
+        core.step()
+    assert core.runtime.spec_stats.verify_steps > 0
+    assert set(graphs) == captured  # served without a capture
+    core.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graphed_decode_matches_eager_on_gpu(tmp_path):
     from moe_serve.engine.core import EngineCore
     from moe_serve.engine.messages import GenerateRequest, SamplingParams

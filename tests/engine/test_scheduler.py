@@ -127,13 +127,43 @@ def test_running_out_of_blocks_preempts_the_youngest_and_recomputes_it():
     assert s.blocks.num_free_blocks == 6
 
 
-def test_finish_frees_every_block_at_once_running_or_waiting():
-    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, num_blocks=16, block_size=4,
-                                  max_model_len=64))
-    a, b = make_seq("a", 9, 5), make_seq("b", 3, 5)
-    s.add(a)
-    s.add(b)
+def after_one_step(max_num_seqs: int, num_blocks: int, max_model_len: int,
+                   prompts: dict[str, int]) -> tuple[Scheduler, list[Sequence]]:
+    """Blocks of 4 positions; sequences of these prompt lengths (10 tokens to generate each) added, one step run."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, num_blocks=num_blocks,
+                                  block_size=4, max_model_len=max_model_len))
+    seqs = [make_seq(name, n, 10) for name, n in prompts.items()]
+    for seq in seqs:
+        s.add(seq)
     fake_step(s, s.schedule())
+    return s, seqs
+
+
+def two_prefilled() -> tuple[Scheduler, Sequence, Sequence]:
+    """6 blocks of 4 positions; two sequences of 6-token prompts, prefilled: 2 blocks each, 2 free."""
+    s, (a, b) = after_one_step(4, 6, 24, {"a": 6, "b": 6})
+    return s, a, b
+
+
+def test_speculation_reserves_blocks_for_every_sequence_or_for_none():
+    s, a, b = two_prefilled()
+    assert not s.reserve([(a, 12), (b, 13)])  # 1 + 2 more blocks: too many, and nobody grew
+    assert len(a.block_table) == len(b.block_table) == 2 and s.blocks.num_free_blocks == 2
+    assert s.reserve([(a, 12), (b, 9)])
+    assert len(a.block_table) == len(b.block_table) == 3 and s.blocks.num_free_blocks == 0
+
+
+def test_preemption_forgets_what_the_draft_model_computed_too():
+    """A draft model's paged cache uses the sequence's blocks: freeing them frees its progress."""
+    s, _, young = two_prefilled()
+    young.num_draft_computed_tokens = 6
+    while not young.num_preemptions:
+        fake_step(s, s.schedule())
+    assert young.num_computed_tokens == young.num_draft_computed_tokens == 0
+
+
+def test_finish_frees_every_block_at_once_running_or_waiting():
+    s, (a, b) = after_one_step(1, 16, 64, {"a": 9, "b": 3})
     assert len(a.block_table) == 3 and s.find("b") is b
     s.finish(a)
     s.finish(b)

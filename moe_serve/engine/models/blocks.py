@@ -306,15 +306,18 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(self, input_ids: torch.Tensor, paged: PagedStep, chunks: list[tuple[int, int]] | None,
-                      logit_rows: torch.Tensor | None) -> torch.Tensor:
+                      logit_rows: torch.Tensor | None, moe_top_r: int | None = None) -> torch.Tensor:
         """Logits [R, V] of rows logit_rows [R] (all T rows when None) of a batch of sequences' tokens [T].
 
         `paged` says where each token belongs; `chunks` ((start, length) per sequence, in feeding
         order) is needed only by dynamic-NTK RoPE, whose frequencies depend on each sequence's length.
+        moe_top_r: run only that many of each token's top-k experts (a self-draft, SS-MoE).
         """
+        if moe_top_r is not None and moe_top_r < 1:
+            raise ValueError(f"moe_top_r must be >= 1, got {moe_top_r}")
         cos, sin = (self.rotary.cos_sin_chunks(chunks, self.dtype) if self.rotary.rope.rope_type == "dynamic"
                     else self.rotary.cos_sin_at(paged.positions, self.dtype))
-        step = _Step(cos, sin, paged, self.runner, None, None)
+        step = _Step(cos, sin, paged, self.runner, moe_top_r, None)
         x = self._layers(input_ids, step)  # [T, H]
         if logit_rows is not None:
             x = x.index_select(0, logit_rows)  # [R, H]

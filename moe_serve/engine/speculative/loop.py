@@ -42,6 +42,41 @@ class Drafted:
     q: torch.Tensor | None
 
 
+def draft_budget(seq: Sequence, gamma: int, max_model_len: int) -> int:
+    """Drafts such that drafts + bonus fit both max_tokens and the context."""
+    return max(0, min(gamma, seq.remaining - 1, max_model_len - seq.num_tokens - 1))
+
+
+def propose(seq: Sequence, logits: torch.Tensor, generator: torch.Generator) -> Drafted:
+    """The draft's next token from its logits [V], already penalised with the running counts."""
+    q = None if seq.params.temperature == 0 else target_distribution(logits, seq.params)  # [V]
+    return Drafted(int(logits.argmax()) if q is None else draw(q, generator), q)
+
+
+def drafting_stops(seq: Sequence, token: int, logits: torch.Tensor, confidence: float) -> bool:
+    """After a stop token, or once the draft's own max probability (softmax of the penalised logits
+    [V] it drew from) is below tau."""
+    if token in seq.params.stop_token_ids:
+        return True
+    return confidence > 0 and float(torch.softmax(logits, -1).max()) < confidence
+
+
+def accept(seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, rule: AcceptRule,
+           generator: torch.Generator, max_model_len: int) -> int:
+    """Emit kept drafts, then a correction or the bonus token, from the target's logits [n+1, V]
+    over pending + drafts; returns how many drafts were kept."""
+    for i, draft in enumerate(drafts):
+        row = apply_penalties(logits[i], seq.params, seq.output_counts)  # [V] counts include kept drafts
+        p = row if rule.greedy else target_distribution(row, seq.params)  # greedy needs only the argmax
+        token, kept = verify_position(p, draft.q, draft.token, rule, generator)
+        logprob = None if seq.params.logprobs is None else token_logprob(row, token, seq.params.logprobs)
+        if seq.append(token, logprob, max_model_len) or not kept:
+            return i + int(kept)
+    token, logprob = choose_token(seq, logits[len(drafts)], generator)
+    seq.append(token, logprob, max_model_len)
+    return len(drafts)
+
+
 class Drafter:
     """A model proposing the next tokens from its own KV cache (the target's own when self-drafting)."""
 
@@ -94,25 +129,20 @@ class SpecDecoder:
             self.predictor.reset()
 
     def _draft_budget(self, seq: Sequence, max_model_len: int) -> int:
-        """Drafts such that drafts + bonus fit both max_tokens and the context."""
-        gamma = self.config.gamma if self.adaptive is None else self.adaptive.gamma
-        return max(0, min(gamma, seq.remaining - 1, max_model_len - len(seq.all_ids) - 1))
+        return draft_budget(seq, self.config.gamma if self.adaptive is None else self.adaptive.gamma, max_model_len)
 
     def _draft(self, seq: Sequence, budget: int) -> list[Drafted]:
         """Each drafted token's predicted experts go to the cache while the next one computes: the
         host's hand-over then costs no drafting time."""
         ids, counts, drafts = seq.all_ids, Counter(seq.output_counts), []
-        greedy = seq.params.temperature == 0
         pending = self._launch_draft(ids) if budget > 0 else None
         while pending is not None:
             logits = apply_penalties(pending.result()[-1], seq.params, counts)  # [V]
             predicted = None if self.predictor is None else self.predictor.predictions()
-            q = None if greedy else target_distribution(logits, seq.params)  # [V]
-            token = int(logits.argmax()) if q is None else draw(q, self.generator(seq))
-            drafts.append(Drafted(token, q))
-            ids = ids + [token]
-            counts[token] += 1  # the next draft position sees this token's penalty, as verify will
-            done = len(drafts) == budget or token in seq.params.stop_token_ids or self._unsure(logits)
+            drafts.append(propose(seq, logits, self.generator(seq)))
+            ids = ids + [drafts[-1].token]
+            counts[drafts[-1].token] += 1  # the next draft position sees this token's penalty, as verify will
+            done = len(drafts) == budget or drafting_stops(seq, drafts[-1].token, logits, self.config.confidence)
             pending = None if done else self._launch_draft(ids)
             if predicted is not None:
                 self.predictor.prefetch(predicted)
@@ -124,10 +154,6 @@ class SpecDecoder:
             self.predictor.collect()
         return pending
 
-    def _unsure(self, logits: torch.Tensor) -> bool:
-        """The draft's own max probability (softmax of its penalised logits) is below tau."""
-        return self.config.confidence > 0 and float(torch.softmax(logits, -1).max()) < self.config.confidence
-
     def _verify(self, seq: Sequence, drafts: list[Drafted]) -> torch.Tensor:
         self._truncate(self.target.kv, len(seq.all_ids) - 1)  # drop what a self-draft wrote
         ids = [seq.all_ids[-1]] + [d.token for d in drafts]
@@ -137,18 +163,8 @@ class SpecDecoder:
             return self.target.forward(ids)
 
     def _accept(self, seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, max_model_len: int) -> int:
-        """Emit kept drafts, then a correction or the bonus token; returns how many drafts were kept."""
         rule = AcceptRule(seq.params.temperature == 0, self.config.confidence, self.config.adaptive_tolerance)
-        for i, draft in enumerate(drafts):
-            row = apply_penalties(logits[i], seq.params, seq.output_counts)  # [V] counts include kept drafts
-            p = row if rule.greedy else target_distribution(row, seq.params)  # greedy needs only the argmax
-            token, kept = verify_position(p, draft.q, draft.token, rule, self.generator(seq))
-            logprob = None if seq.params.logprobs is None else token_logprob(row, token, seq.params.logprobs)
-            if seq.append(token, logprob, max_model_len) or not kept:
-                return i + int(kept)
-        token, logprob = choose_token(seq, logits[len(drafts)], self.generator(seq))
-        seq.append(token, logprob, max_model_len)
-        return len(drafts)
+        return accept(seq, drafts, logits, rule, self.generator(seq), max_model_len)
 
     def _rollback(self, length: int) -> None:
         self._truncate(self.target.kv, length)

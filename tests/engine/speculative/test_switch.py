@@ -1,23 +1,32 @@
-"""SpecSwitch: who speculates, from measured costs (no torch)."""
+"""SpecSwitch: whether a step's decoding sequences speculate, from measured costs per batch-size bucket (no torch)."""
 from __future__ import annotations
 
 import pytest
 
-from moe_serve.engine.speculative.switch import MEASURED_STEPS, PROBE_STEPS, PROBE_TAX, SpecSwitch
+from moe_serve.engine.speculative.switch import MEASURED_STEPS, PROBE_STEPS, PROBE_TAX, SpecSwitch, batch_bucket
 
 
-def lone_step(switch: SpecSwitch, spec_round: tuple[float, int], plain_step: tuple[float, int]) -> bool:
-    """One lone step: ask, then report what that mode cost (seconds, tokens)."""
-    mode = switch.speculate(running=1, waiting=0)
-    switch.record(mode, *(spec_round if mode else plain_step))
+def lone_step(switch: SpecSwitch, spec_round: tuple[float, int], plain_step: tuple[float, int], batch: int = 1) -> bool:
+    """One step of `batch` decoding sequences: ask, then report what that mode cost (seconds, tokens)."""
+    mode = switch.speculate(batch)
+    switch.record(batch, mode, *(spec_round if mode else plain_step))
     return mode
 
 
-def test_only_a_sequence_alone_with_nothing_waiting_speculates():
+def test_batch_sizes_are_measured_in_power_of_two_buckets():
+    assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 17, 32, 33)] == [1, 2, 4, 4, 8, 8, 16, 32, 32, 64]
+
+
+def test_each_bucket_chooses_from_its_own_measurements():
+    """Speculation wins for one sequence and loses at 32 (its verify pass is 32 x (gamma + 1)
+    tokens): each bucket settles on its own winner, and a batch of 20 uses the 32 bucket's."""
     switch = SpecSwitch()
-    assert not switch.speculate(running=2, waiting=0)
-    assert not switch.speculate(running=1, waiting=3)
-    assert switch.speculate(running=1, waiting=0)
+    for _ in range(2 * PROBE_STEPS):
+        lone_step(switch, (0.004, 4), (0.002, 1))
+    for _ in range(2 * PROBE_STEPS):
+        lone_step(switch, (0.200, 64), (0.004, 32), batch=32)
+    assert switch.speculate(1) and not switch.speculate(20)
+    assert switch.choice(1) is not switch.choice(32) and switch.choice(17) is switch.choice(32)
 
 
 def test_each_mode_is_measured_over_a_window_then_the_cheaper_one_wins_with_periodic_probes():
@@ -57,23 +66,26 @@ def test_the_first_step_after_a_change_of_mode_is_not_counted():
     make speculation lose if it counted."""
     switch = SpecSwitch()
     for step in range(PROBE_STEPS):
-        assert switch.speculate(1, 0)
-        switch.record(True, seconds=1.0 if step == 0 else 0.010, tokens=4)
-    assert switch.speculative.steps == MEASURED_STEPS
-    assert abs(switch.speculative.seconds_per_token - 0.0025) < 1e-12
-    switch.record(None, seconds=0.5, tokens=3)  # a batched step: the next lone step pays for it
-    switch.record(True, seconds=2.0, tokens=1)
-    assert switch.speculative.steps == MEASURED_STEPS
+        assert switch.speculate(1)
+        switch.record(1, True, seconds=1.0 if step == 0 else 0.010, tokens=4)
+    assert switch.choice(1).speculative.steps == MEASURED_STEPS
+    assert abs(switch.choice(1).speculative.seconds_per_token - 0.0025) < 1e-12
+    switch.record(None, False, seconds=0.5, tokens=3)  # a step that could not speculate: the next one pays
+    switch.record(1, True, seconds=2.0, tokens=1)
+    switch.record(3, True, seconds=0.1, tokens=4)  # another bucket: it pays for the change too
+    switch.record(1, True, seconds=2.0, tokens=1)
+    assert switch.choice(1).speculative.steps == MEASURED_STEPS
+    assert switch.choice(3).speculative.steps == 0
 
 
 def test_a_mode_costs_its_seconds_over_its_tokens_not_the_mean_of_its_rounds_ratios():
     """Acceptance swings from round to round: rounds of 2 and 13 tokens at 0.26 s each cost
     0.52 s for 15 tokens (35 ms per token), not the mean of 130 and 20 ms (75 ms)."""
     switch = SpecSwitch(smoothing=0.5)
-    switch.record(True, 0.26, 2)  # not counted: the first
-    switch.record(True, 0.26, 2)
-    switch.record(True, 0.26, 13)
-    assert abs(switch.speculative.seconds_per_token - 0.26 / 7.5) < 1e-12
+    switch.record(1, True, 0.26, 2)  # not counted: the first
+    switch.record(1, True, 0.26, 2)
+    switch.record(1, True, 0.26, 13)
+    assert abs(switch.choice(1).speculative.seconds_per_token - 0.26 / 7.5) < 1e-12
 
 
 def test_a_draft_that_stops_paying_loses_the_lone_sequence():
@@ -81,13 +93,13 @@ def test_a_draft_that_stops_paying_loses_the_lone_sequence():
     for _ in range(2 * PROBE_STEPS):
         lone_step(switch, (0.002, 1), (0.003, 1))
     for _ in range(20):  # acceptance collapses: each round now costs 8 ms for one token
-        switch.record(True, seconds=0.008, tokens=1)
-    decisions = [switch.speculate(1, 0) for _ in range(20)]
+        switch.record(1, True, seconds=0.008, tokens=1)
+    decisions = [switch.speculate(1) for _ in range(20)]
     assert decisions.count(True) == 0
 
 
 def test_a_step_that_emitted_nothing_teaches_nothing():
     switch = SpecSwitch()
-    switch.record(True, seconds=1.0, tokens=0)
-    switch.record(True, seconds=1.0, tokens=0)
-    assert switch.speculative.steps == 0 and switch.speculative.seconds_per_token is None
+    switch.record(1, True, seconds=1.0, tokens=0)
+    switch.record(1, True, seconds=1.0, tokens=0)
+    assert switch.choice(1).speculative.steps == 0 and switch.choice(1).speculative.seconds_per_token is None
