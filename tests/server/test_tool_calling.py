@@ -1,13 +1,14 @@
 """Tool calling through the OpenAI SDK against the real server on the embedded default model (CPU).
 
 The default model is a small code model: whether it chooses a tool under "auto" is up to it, so
-"auto" is checked for the protocol's shape, and the hermes parser is driven end to end by
-constraining the model's text to hermes markup (the structured_outputs regex extra) while
+"auto" is checked for the protocol's shape, and each --tool-call-parser is driven end to end by
+constraining the model's text to its family's markup (the structured_outputs regex extra) while
 tool_choice stays "auto": the calls then come out of the parser, not out of the constraint.
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 
 import jsonschema
@@ -26,7 +27,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GET_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
-HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Tokyo)", "unit": "celsius"\}\}\n</tool_call>'
+ARGUMENTS = r'\{"city": "(Paris|Tokyo)", "unit": "celsius"\}'
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": ' + ARGUMENTS + r'\}\n</tool_call>'
+# each family's markup for one get_weather call, as a regex over the text (the default model's
+# tokenizer writes the special tokens of other families as plain text, byte by byte)
+FAMILY_CALLS = {
+    "mistral": r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": ' + ARGUMENTS + r'\}\]',
+    "llama3_json": r'\{"name": "get_weather", "parameters": ' + ARGUMENTS + r'\}',
+    "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                   + ARGUMENTS + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +76,9 @@ def calls_of(message) -> list[dict]:
     return [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls]
 
 
-def assert_valid_calls(calls: list[dict]) -> None:
+def assert_valid_calls(calls: list[dict], id_pattern: str = r"call_[0-9a-f]{24}") -> None:
     for call in calls:
-        assert call["id"].startswith("call_")
+        assert re.fullmatch(id_pattern, call["id"]), call["id"]
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
@@ -82,16 +92,37 @@ def test_auto_answers_in_the_protocol_shape(client: openai.OpenAI) -> None:
     assert "<tool_call>" not in (choice.message.content or "")
 
 
-def test_auto_reads_hermes_calls_out_of_the_text(client: openai.OpenAI) -> None:
-    forced_text = {"structured_outputs": {"regex": HERMES_CALL}}
-    choice = chat(client, max_tokens=60, extra_body=forced_text).choices[0]
+def assert_auto_reads_calls_out_of(client: openai.OpenAI, markup: str, id_pattern: str = r"call_[0-9a-f]{24}") -> None:
+    """The model's text forced to `markup` under tool_choice "auto": one get_weather call, streamed
+    or not, and none of the markup as content."""
+    forced_text = {"structured_outputs": {"regex": markup}}
+    choice = chat(client, max_tokens=160, extra_body=forced_text).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = calls_of(choice.message)
     assert call["name"] == "get_weather"
-    assert_valid_calls([call])
-    content, calls, finish, _ = streamed(client, max_tokens=60, extra_body=forced_text)
+    assert_valid_calls([call], id_pattern)
+    content, calls, finish, _ = streamed(client, max_tokens=160, extra_body=forced_text)
     assert content == "" and finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls] == [(call["name"], call["arguments"])]
+
+
+def test_auto_reads_hermes_calls_out_of_the_text(client: openai.OpenAI) -> None:
+    assert_auto_reads_calls_out_of(client, HERMES_CALL)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_CALLS))
+def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, openai.OpenAI]]:
+    running = start_server(REPO / "moe_serve" / "models" / "default", tmp_path_factory.mktemp("logs"), "--max-model-len",
+                           "1024", "--tool-call-parser", request.param)
+    yield request.param, openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused", max_retries=0)
+    running.stop()
+
+
+def test_each_parser_reads_its_familys_calls_out_of_the_text(family_server: tuple[str, openai.OpenAI]) -> None:
+    parser, family_client = family_server
+    # Mistral's chat templates refuse call ids other than nine letters and digits
+    id_pattern = r"[A-Za-z0-9]{9}" if parser == "mistral" else r"call_[0-9a-f]{24}"
+    assert_auto_reads_calls_out_of(family_client, FAMILY_CALLS[parser], id_pattern)
 
 
 def test_required_calls_a_tool_on_any_model(client: openai.OpenAI) -> None:
