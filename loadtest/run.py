@@ -743,7 +743,8 @@ def cpu_busy(start: dict, end: dict) -> dict[str, float]:
 
 # histogram totals whose change over a level tells the server's side of it (server_view)
 SERVER_TOTALS = ("moe_time_to_first_token_seconds_sum", "moe_time_to_first_token_seconds_count",
-                 "moe_batch_size_sum", "moe_batch_size_count", "moe_batch_tokens_sum")
+                 "moe_batch_size_sum", "moe_batch_size_count", "moe_batch_tokens_sum",
+                 "moe_spec_verify_steps_total", "moe_spec_draft_tokens_total", "moe_spec_accepted_tokens_total")
 
 
 async def engine_gauges(target: Target) -> dict[str, float]:
@@ -771,7 +772,11 @@ def server_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     return {"ttft_mean_ms": 1e3 * delta["moe_time_to_first_token_seconds_sum"] / requests if requests else None,
             "steps": steps,
             "mean_batch_size": delta["moe_batch_size_sum"] / steps if steps else None,
-            "mean_batch_tokens": delta["moe_batch_tokens_sum"] / steps if steps else None}
+            "mean_batch_tokens": delta["moe_batch_tokens_sum"] / steps if steps else None,
+            # speculative rounds, one per sequence verified (0 without --spec)
+            "spec_verify_rounds": delta["moe_spec_verify_steps_total"],
+            "spec_acceptance": (delta["moe_spec_accepted_tokens_total"] / delta["moe_spec_draft_tokens_total"]
+                                if delta["moe_spec_draft_tokens_total"] else None)}
 
 
 async def wait_engine_idle(target: Target, timeout: float = 30.0) -> dict[str, float]:
