@@ -61,8 +61,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-routing", default=None, metavar="FILE",
                         help="write routing decisions as JSONL (default: off)")
     parser.add_argument("--spec", default="off", choices=["off", "self", "draft"],
-                        help="speculative decoding for a sequence decoding alone: self-draft (SS-MoE) or an "
-                             "external dense draft (SP-MoE)")
+                        help="speculative decoding, alone or as a batch, wherever measured to beat plain "
+                             "decoding: self-draft (SS-MoE) or an external dense draft (SP-MoE)")
     parser.add_argument("--draft", default=None, metavar="DIR",
                         help="dense draft checkpoint folder for --spec draft (default: none)")
     parser.add_argument("--spec-tokens", type=int, default=EngineConfig.spec_tokens,
