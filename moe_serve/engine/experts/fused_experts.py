@@ -12,7 +12,9 @@ These two Triton kernels are memory-bound GEMVs that read the selected slots whe
 
 Weights are loaded through the layout's format (formats/*.py `triton_load`, a compile-time argument):
 a quantized slot is read as stored and decoded in registers, and the plain format's load is the
-bare tile load. Everything accumulates in fp32 and is cast to x's dtype once, at the end. No host sync, no
+bare tile load. A format that computes a tile's dot product with the vector itself (`triton_dot`:
+int4, whose two weights a byte would otherwise be interleaved back into order) is called instead,
+each program then keeping one sum per row rather than a tile of partial products. Everything accumulates in fp32 and is cast to x's dtype once, at the end. No host sync, no
 data-dependent shape: CUDA graphs capture it. H and I are compile-time constants (one compile
 per model shape; masks vanish where the tiles divide them, and Triton 3.6's interpreter cannot
 loop over a runtime bound). Triton is imported guarded, so the package
@@ -46,10 +48,18 @@ class FusedConfig:
     down_warps: int = 4
 
 
-def default_config(tokens: int, hidden: int, intermediate: int) -> FusedConfig:
+# tiles where the format has a triton_dot: a program then holds one sum per row, not a tile of
+# partial products, and the best of an exploration on an H200 (Mixtral-size gate/up, one token,
+# 4-16 rows x 512-2048 columns x 2-8 warps) was 16 x 1024 with 4 warps
+DOT_CONFIG = FusedConfig(gate_up_rows=16, gate_up_cols=1024, gate_up_warps=4, down_rows=4, down_cols=1024,
+                         down_warps=4)
+
+
+def default_config(tokens: int, hidden: int, intermediate: int, dot: bool = False) -> FusedConfig:
     """One set of tiles, best or within ~2% of the best on H100 for OLMoE and Mixtral shapes at
-    T = 1 and 4 (the sweep in bench/results/kernels/fused_experts.json, key "sweep"); clamped for small models."""
-    best = FusedConfig()
+    T = 1 and 4 (the sweep in bench/results/kernels/fused_experts.json, key "sweep"); DOT_CONFIG for a
+    format with a triton_dot; clamped for small models."""
+    best = DOT_CONFIG if dot else FusedConfig()
     return replace(best, gate_up_cols=min(best.gate_up_cols, triton.next_power_of_2(hidden)),
                    down_cols=min(best.down_cols, triton.next_power_of_2(intermediate)))
 
@@ -74,9 +84,12 @@ def fused_experts(
     slots [S, numel] packed rows. Returns sum_j weight_j * expert_j(x) as [T, H] in x's dtype."""
     t, k = slot_ids.shape
     h, i = layout.hidden_size, layout.intermediate_size
-    cfg = config or default_config(t, h, i)
+    dot = layout.format.triton_dot
+    cfg = config or default_config(t, h, i, dot is not None)
     w, s = layout.kernel_views(slots)  # [S, *] the rows as weight data and as scales
-    operands = {"row_stride": w.stride(0), "scale_stride": s.stride(0), "LOAD": layout.format.triton_load}
+    # DOT is compiled in only where the format has one (a constexpr function argument cannot be None)
+    operands = {"row_stride": w.stride(0), "scale_stride": s.stride(0), "LOAD": layout.format.triton_load,
+                "DOT": layout.format.triton_load if dot is None else dot, "USE_DOT": dot is not None}
     x = x.contiguous()
     ids = slot_ids.reshape(-1).contiguous()  # [T*k]
     weights = expert_weights.reshape(-1).contiguous()  # [T*k]
@@ -101,7 +114,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr,
                         I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, DOT: tl.constexpr,
+                        USE_DOT: tl.constexpr):
         pair = tl.program_id(0)  # token * K + j
         token = pair // K
         slot = tl.load(ids_ptr + pair).to(tl.int64)  # int64: slot * row_stride passes 2**31 on big caches
@@ -109,25 +123,33 @@ if triton is not None:
         scale_ptr = s_ptr + slot * scale_stride + SCALES
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I]
         row_ok = rows < I
-        cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
-        acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            col = h0 + cols
-            col_ok = col < H
-            xv = tl.load(x_ptr + token * H + col, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_H]
-            gate = LOAD(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, False, "evict_first")  # [BLOCK_I, BLOCK_H]
-            up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, False, "evict_first")
-            acc_gate += gate.to(tl.float32) * xv[None, :]
-            acc_up += up.to(tl.float32) * xv[None, :]
-        g = tl.sum(acc_gate, axis=1)  # [BLOCK_I]
-        u = tl.sum(acc_up, axis=1)
+        if USE_DOT:
+            g = tl.zeros([BLOCK_I], dtype=tl.float32)
+            u = tl.zeros([BLOCK_I], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                g += DOT(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, x_ptr + token * H)  # [BLOCK_I]
+                u += DOT(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, x_ptr + token * H)
+        else:
+            cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+            acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+            acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                col = h0 + cols
+                col_ok = col < H
+                xv = tl.load(x_ptr + token * H + col, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_H]
+                gate = LOAD(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, False, "evict_first")  # [BLOCK_I, BLOCK_H]
+                up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, False, "evict_first")
+                acc_gate += gate.to(tl.float32) * xv[None, :]
+                acc_up += up.to(tl.float32) * xv[None, :]
+            g = tl.sum(acc_gate, axis=1)  # [BLOCK_I]
+            u = tl.sum(acc_up, axis=1)
         tl.store(act_ptr + pair * I + rows, g * tl.sigmoid(g) * u, mask=row_ok)
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, row_stride, scale_stride, H: tl.constexpr,
                      I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, DOT: tl.constexpr,
+                     USE_DOT: tl.constexpr):
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs
         row_ok = rows < H
@@ -138,12 +160,18 @@ if triton is not None:
             slot = tl.load(ids_ptr + pair).to(tl.int64)
             down_ptr = w_ptr + slot * row_stride + DATA  # down [H, I], in the format
             scale_ptr = s_ptr + slot * scale_stride + SCALES
-            acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
-            for i0 in range(0, I, BLOCK_I):
-                col = i0 + cols
-                col_ok = col < I
-                a = tl.load(act_ptr + pair * I + col, mask=col_ok, other=0.0)  # [BLOCK_I] fp32
-                w = LOAD(down_ptr, scale_ptr, rows, row_ok, i0, I, BLOCK_I, False, "evict_first")  # [BLOCK_H, BLOCK_I]
-                acc += w.to(tl.float32) * a[None, :]
-            y += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, axis=1)
+            if USE_DOT:
+                dots = tl.zeros([BLOCK_H], dtype=tl.float32)
+                for i0 in range(0, I, BLOCK_I):
+                    dots += DOT(down_ptr, scale_ptr, rows, row_ok, i0, I, BLOCK_I, act_ptr + pair * I)  # [BLOCK_H]
+            else:
+                acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
+                for i0 in range(0, I, BLOCK_I):
+                    col = i0 + cols
+                    col_ok = col < I
+                    a = tl.load(act_ptr + pair * I + col, mask=col_ok, other=0.0)  # [BLOCK_I] fp32
+                    w = LOAD(down_ptr, scale_ptr, rows, row_ok, i0, I, BLOCK_I, False, "evict_first")  # [BLOCK_H, BLOCK_I]
+                    acc += w.to(tl.float32) * a[None, :]
+                dots = tl.sum(acc, axis=1)
+            y += tl.load(weights_ptr + pair).to(tl.float32) * dots
         tl.store(out_ptr + token * H + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)

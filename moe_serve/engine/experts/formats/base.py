@@ -62,6 +62,14 @@ class ExpertFormat(ABC):
         past K), decoded to fp32 or the stored float dtype; [R, BLOCK_K], or [BLOCK_K, R] if TRANSPOSE.
         EVICT is tl.load's eviction_policy."""
 
+    @property
+    def triton_dot(self) -> Any | None:
+        """None, or a @triton.jit function dot(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr) -> [R]
+        fp32: each of rows [R] times the vector v (K elements at v_ptr) over columns k0 + arange(BLOCK_K).
+        The fused GEMV kernels use it instead of triton_load where decoding into a tile first costs
+        more than the product itself (int4: a tile's two weights per byte are not interleaved back)."""
+        return None
+
     def describe(self) -> str:
         return self.name
 

@@ -69,6 +69,10 @@ class Int4(ExpertFormat):
     def triton_load(self) -> Any:
         return _load
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot
+
     def describe(self) -> str:
         return f"int4 (group {GROUP_SIZE} symmetric, fp16 scales)"
 
@@ -117,3 +121,38 @@ if triton is not None:
             return tl.trans(w)
         else:
             return w
+
+    @triton.jit
+    def _dot(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        """The rows' dot products with v over one tile (base.ExpertFormat.triton_dot). Each byte's low and
+        high nibbles multiply v's even and odd elements, so the weights are never interleaved back into
+        order (a layout shuffle through shared memory); where the tile holds whole groups, a group's
+        products are summed before its scale multiplies them, one multiply per group, not per weight.
+        On an H200 a Mixtral-size gate/up call at one token took 0.097-0.102 ms this way against 0.121
+        through _load (bf16: 0.139), in an exploration run of both."""
+        KB: tl.constexpr = (K + 1) // 2  # bytes per row
+        G: tl.constexpr = 128 if K > 128 else K  # GROUP_SIZE, as in _load
+        NG: tl.constexpr = (K + G - 1) // G
+        R: tl.constexpr = rows.shape[0]
+        half = tl.arange(0, BLOCK_K // 2)
+        byte = k0 // 2 + half
+        packed = tl.load(w_ptr + rows[:, None] * KB + byte[None, :], mask=row_ok[:, None] & (byte < KB)[None, :],
+                         other=_ZERO * 17, eviction_policy="evict_first")  # [R, BLOCK_K / 2]; padding decodes to 0
+        low = _float_minus((packed & 0xF).to(tl.int32), _ZERO)  # weights k0, k0 + 2, ...
+        high = _float_minus((packed >> 4).to(tl.int32), _ZERO)  # weights k0 + 1, k0 + 3, ...
+        even = k0 + 2 * half
+        v_even = tl.load(v_ptr + even, mask=even < K, other=0.0).to(tl.float32)  # [BLOCK_K / 2]
+        v_odd = tl.load(v_ptr + even + 1, mask=even + 1 < K, other=0.0).to(tl.float32)
+        if G % 2 == 0 and BLOCK_K % G == 0:  # the tile holds whole groups, each a run of whole bytes
+            group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
+            s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=row_ok[:, None] & (group < NG)[None, :],
+                        other=0.0)  # [R, BLOCK_K / G]
+            products = low * v_even[None, :] + high * v_odd[None, :]  # [R, BLOCK_K / 2]
+            per_group = tl.sum(tl.reshape(products, (R, BLOCK_K // G, G // 2)), axis=2)  # [R, BLOCK_K / G]
+            return tl.sum(per_group * s.to(tl.float32), axis=1)
+        else:  # a small K: each weight's group scale (an odd group can split a byte)
+            s_even = tl.load(s_ptr + rows[:, None] * NG + (even // G)[None, :],
+                             mask=row_ok[:, None] & (even < K)[None, :], other=0.0).to(tl.float32)
+            s_odd = tl.load(s_ptr + rows[:, None] * NG + ((even + 1) // G)[None, :],
+                            mask=row_ok[:, None] & (even + 1 < K)[None, :], other=0.0).to(tl.float32)
+            return tl.sum(low * s_even * v_even[None, :] + high * s_odd * v_odd[None, :], axis=1)
