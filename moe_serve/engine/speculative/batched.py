@@ -34,7 +34,6 @@ from moe_serve.engine.decode import PendingLogits
 from moe_serve.engine.model_runner import Feed, ModelRunner
 from moe_serve.engine.sampling import apply_penalties
 from moe_serve.engine.sequence import Sequence
-from moe_serve.engine.speculative.acceptance import AcceptRule
 from moe_serve.engine.speculative.config import SpecConfig
 from moe_serve.engine.speculative.loop import Drafted, accept, draft_budget, drafting_stops, propose
 from moe_serve.engine.speculative.stats import SpecStats
@@ -73,10 +72,9 @@ class BatchedSpeculator:
         """Emit each sequence's kept drafts and its correction or bonus token; roll the caches' progress back."""
         offset, share = 0, 1.0 / len(verified.seqs)
         for seq, drafts, fed in zip(verified.seqs, verified.drafts, verified.draft_fed):
-            rule = AcceptRule(seq.params.temperature == 0, self.config.confidence, self.config.adaptive_tolerance)
             rows = verified.logits[offset : offset + len(drafts) + 1]  # [n+1, V]
             offset += len(drafts) + 1
-            kept = accept(seq, drafts, rows, rule, _generator(seq), max_model_len)
+            kept = accept(seq, drafts, rows, self.config, _generator(seq), max_model_len)
             seq.num_computed_tokens = seq.num_tokens - 1
             if self.draft is not None:
                 seq.num_draft_computed_tokens = min(fed, seq.num_tokens - 1)

@@ -61,10 +61,11 @@ def drafting_stops(seq: Sequence, token: int, logits: torch.Tensor, confidence: 
     return confidence > 0 and float(torch.softmax(logits, -1).max()) < confidence
 
 
-def accept(seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, rule: AcceptRule,
+def accept(seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, config: SpecConfig,
            generator: torch.Generator, max_model_len: int) -> int:
     """Emit kept drafts, then a correction or the bonus token, from the target's logits [n+1, V]
-    over pending + drafts; returns how many drafts were kept."""
+    over pending + drafts, under config's acceptance rule; returns how many drafts were kept."""
+    rule = AcceptRule(seq.params.temperature == 0, config.confidence, config.adaptive_tolerance)
     for i, draft in enumerate(drafts):
         row = apply_penalties(logits[i], seq.params, seq.output_counts)  # [V] counts include kept drafts
         p = row if rule.greedy else target_distribution(row, seq.params)  # greedy needs only the argmax
@@ -163,8 +164,7 @@ class SpecDecoder:
             return self.target.forward(ids)
 
     def _accept(self, seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, max_model_len: int) -> int:
-        rule = AcceptRule(seq.params.temperature == 0, self.config.confidence, self.config.adaptive_tolerance)
-        return accept(seq, drafts, logits, rule, self.generator(seq), max_model_len)
+        return accept(seq, drafts, logits, self.config, self.generator(seq), max_model_len)
 
     def _rollback(self, length: int) -> None:
         self._truncate(self.target.kv, length)
