@@ -199,7 +199,13 @@ class MaskFiller:
     model's 8k vocabulary took 40 us from start to masks through a worker, 7 us here; 32 rows under a
     simulated host-bound forward cost the engine thread no less through the worker than here. On the
     H100 neither is clearly ahead (constrained/unconstrained TPOT 1.19-1.29 here, 1.12-1.28 through
-    the worker, in one call: README, Structured outputs)."""
+    the worker, in one call: README, Structured outputs). Nor did a worker started earlier, as soon
+    as a step's tokens had advanced the matchers, so that its fill ran beside the outputs, the
+    scheduling and the next launch: on the H200 (default model, bench/structured_mask.py, old and new
+    twice in one call) it measured 1.42-1.44 at batch 1 against 1.22-1.29 here, 1.30-1.41 against
+    1.33-1.37 at 32: the two threads' hand-offs of the GIL cost the engine thread more than the fill.
+    (llguidance's consume_token_par, tried for the advances there, took 226 us at 32 rows against
+    about 140 one by one.)"""
 
     def __init__(self) -> None:
         self.buffer: MaskBuffer | None = None  # made by the first constrained step
