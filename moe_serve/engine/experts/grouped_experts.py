@@ -18,7 +18,12 @@ weight tile once for up to BLOCK_M tokens with tl.dot:
 
 Weight tiles are loaded through the layout's format (formats/*.py `triton_load`, a compile-time
 argument): quantized slots are read as stored and decoded in registers into x's dtype before
-tl.dot, as the torch path decodes them; the plain format's load is the bare tile load.
+tl.dot, as the torch path decodes them; the plain format's load is the bare tile load. (int4 tried
+its fused-kernel trick here too, 32-bit words decoded a nibble at a time and one K = 16 dot per
+nibble, no weight put back into order, the scale applied to each group's sum: on an H200 the
+Mixtral-size 32-token call took 0.75 ms (0.64 at its best tiles), where the tile load takes 0.59
+(bench/quant_experts.py, two calls of the same day; OLMoE-size 0.162 against 0.170), so it was
+left out.)
 
 Shapes depend only on (T, k, S, H, I), so CUDA graphs capture it. H, I and k are compile-time
 constants, like fused_experts.py (one compile per model shape; the align kernel, which only
