@@ -2,13 +2,14 @@
 
 The scheduler (moe_serve/engine/scheduler.py) picks which chunks of which sequences run in a step, and
 every scheduled sequence runs in ONE forward over the paged KV cache (moe_serve/engine/model_runner.py),
-so the tokens of all of them share each expert copy. With --spec, a step of decoding sequences
-only (no prefill, no grammar) drafts and verifies instead while that is measured to pay for its
-batch size (moe_serve/engine/speculative/switch.py). Several sequences speculate as one batch over the
-paged cache (moe_serve/engine/speculative/batched.py). A sequence decoding alone runs the lone
-decoder, which also prefetches the verify pass's experts from the draft's predictions: its KV moves
-from the paged cache into that decoder's one-sequence cache and its new positions move back after
-each round, so the next batched step finds it where it left off.
+so the tokens of all of them share each expert copy. With --spec, a step whose decoding sequences
+have no grammar drafts and verifies instead while that is measured to pay for its batch size
+(moe_serve/engine/speculative/switch.py); several sequences speculate as one batch over the paged
+cache (moe_serve/engine/speculative/batched.py), the step's prefill chunks riding in the verify
+forward. A sequence decoding alone runs the lone decoder, which also prefetches the verify pass's
+experts from the draft's predictions: its KV moves from the paged cache into that decoder's
+one-sequence cache and its new positions move back after each round, so the next batched step
+finds it where it left off.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, replace
 from moe_serve.engine.config import EngineConfig
 from moe_serve.engine.messages import EngineReady, GenerateRequest, MetricsSnapshot, RequestOutput
 from moe_serve.engine.runtime import Runtime, build_runtime
+from moe_serve.engine.model_runner import ChunkResult
 from moe_serve.engine.scheduler import ScheduledChunk, Scheduler
 from moe_serve.engine.sampling import draft_verify_honours
 from moe_serve.engine.sequence import Sequence
@@ -80,38 +82,46 @@ class EngineCore:
         started = time.perf_counter()
         decoding = [c.seq for c in scheduled.chunks if c.seq.output_ids and c.samples]  # not a prefill
         before = {id(s): len(s.output_ids) for s in decoding}
-        could = self._could_speculate(scheduled.chunks, decoding)
-        speculate = could and self.spec_switch.speculate(len(decoding)) and self._reserve_drafts(decoding)
+        riders = [c for c in scheduled.chunks if id(c.seq) not in before]  # prefill chunks
+        could = self._could_speculate(scheduled.chunks, decoding, riders)
+        # with prefill chunks riding along, the step would spoil the switch's measurements: it follows
+        # the bucket's current mode (and is recorded as a step that could not speculate)
+        speculate = (could and (self.spec_switch.prefers(len(decoding)) if riders
+                                else self.spec_switch.speculate(len(decoding)))
+                     and self._reserve_drafts(decoding, riders))
         if not speculate:
             outputs = self._batched_step(scheduled.chunks)
-        elif len(decoding) == 1:
+        elif len(decoding) == 1 and not riders:
             outputs = self._speculative_step(decoding[0])
         else:
-            outputs = self._batched_speculative_step(scheduled.chunks, decoding)
+            outputs = self._batched_speculative_step(scheduled.chunks, decoding, riders)
         elapsed = time.perf_counter() - started
         produced = [len(seq.output_ids) - before[id(seq)] for seq in decoding]
         for count in produced:  # a prefill's token counts for TTFT, not TPOT
             self.tpot_samples.extend([elapsed / count] * count)
-        self.spec_switch.record(len(decoding) if could else None, speculate, elapsed, sum(produced))
+        self.spec_switch.record(len(decoding) if could and not riders else None, speculate, elapsed, sum(produced))
         return outputs
 
-    def _could_speculate(self, chunks: list[ScheduledChunk], decoding: list[Sequence]) -> bool:
-        """Every scheduled sequence decodes, with sampling draft/verify honours: constrained ones decode
-        plainly (a draft would need the grammar's mask at every position). A lone sequence moves into
-        the lone decoder's cache, so only with nothing else running or waiting; a batch's verify pass
-        must fit the step's token budget."""
-        if self.runtime.decoder is None or len(decoding) != len(chunks):
+    def _could_speculate(self, chunks: list[ScheduledChunk], decoding: list[Sequence],
+                         riders: list[ScheduledChunk]) -> bool:
+        """Every decoding sequence speculates, with sampling draft/verify honours: constrained ones
+        decode plainly (a draft would need the grammar's mask at every position). A lone sequence
+        moves into the lone decoder's cache, so only with nothing else running or waiting; a batch's
+        verify pass, with the prefill chunks (riders) it carries, must fit the step's token budget."""
+        if self.runtime.decoder is None or not decoding:
             return False
         if not all(s.grammar is None and draft_verify_honours(s.params, len(s.output_ids)) for s in decoding):
             return False
-        if len(decoding) == 1:
+        if len(chunks) == 1:
             return len(self.scheduler.running) == 1 and not self.scheduler.waiting
-        return (all(c.num_tokens == 1 for c in chunks)
-                and len(chunks) * (self.config.spec_tokens + 1) <= self.scheduler.config.max_num_batched_tokens)
+        verify_tokens = len(decoding) * (self.config.spec_tokens + 1) + sum(c.num_tokens for c in riders)
+        speculating = {id(s) for s in decoding}
+        return (all(c.num_tokens == 1 for c in chunks if id(c.seq) in speculating)
+                and verify_tokens <= self.scheduler.config.max_num_batched_tokens)
 
-    def _reserve_drafts(self, decoding: list[Sequence]) -> bool:
+    def _reserve_drafts(self, decoding: list[Sequence], riders: list[ScheduledChunk]) -> bool:
         """KV blocks for every position a batch's round may write; when they are short, decode plainly."""
-        if len(decoding) == 1:
+        if len(decoding) == 1 and not riders:
             return True  # the lone decoder writes its own cache; the blocks grow after the round
         speculator = self.runtime.speculator
         return self.scheduler.reserve([(s, speculator.positions_needed(s, self.runtime.max_model_len))
@@ -121,13 +131,17 @@ class EngineCore:
         """One forward for every chunk. If it fails, each chunk is retried alone, so only the
         request that fails by itself gets the error and the others go on."""
         try:
-            results = self.runtime.batch_runner.execute(chunks)
+            results, _ = self.runtime.batch_runner.execute(chunks)
         except Exception as exc:  # a failing request must not take the engine or its batch down
             if len(chunks) > 1:
                 return [out for chunk in chunks for out in self._batched_step([chunk])]
             return [self._fail(chunks[0].seq, exc)]
         finally:
             self.runtime.finish_step()
+        return self._chunks_done(chunks, results)
+
+    def _chunks_done(self, chunks: list[ScheduledChunk], results: list[ChunkResult]) -> list[RequestOutput]:
+        """The computed chunks' progress, prompt logprobs and sampled tokens, into their sequences."""
         outputs = []
         for chunk, result in zip(chunks, results):
             self.scheduler.advance(chunk)
@@ -140,12 +154,14 @@ class EngineCore:
             outputs.append(self._output(seq))
         return outputs
 
-    def _batched_speculative_step(self, chunks: list[ScheduledChunk], seqs: list[Sequence]) -> list[RequestOutput]:
-        """One draft/verify round of several decoding sequences over the paged cache. If a forward
-        fails, no sequence has changed yet: the step decodes plainly, each request failing alone."""
+    def _batched_speculative_step(self, chunks: list[ScheduledChunk], seqs: list[Sequence],
+                                  riders: list[ScheduledChunk]) -> list[RequestOutput]:
+        """One draft/verify round of decoding sequences over the paged cache, the prefill chunks
+        riding in its verify forward. If a forward fails, no sequence has changed yet: the step
+        decodes plainly, each request failing alone."""
         max_len = self.runtime.max_model_len
         try:
-            verified = self.runtime.speculator.draft_and_verify(seqs, max_len)
+            verified, results = self.runtime.speculator.draft_and_verify(seqs, max_len, riders)
         except Exception:  # a failing request must not take its batch down: the plain step isolates it
             self.runtime.finish_step()
             return self._batched_step(chunks)
@@ -154,7 +170,7 @@ class EngineCore:
         for seq in seqs:
             if seq.is_finished:
                 self.scheduler.finish(seq)
-        return [self._output(seq) for seq in seqs]
+        return [self._output(seq) for seq in seqs] + self._chunks_done(riders, results)
 
     def _speculative_step(self, seq: Sequence) -> list[RequestOutput]:
         """One draft/verify round of a sequence decoding alone, over the decoder's own caches."""

@@ -13,6 +13,7 @@ from itertools import accumulate
 
 import torch
 
+from moe_serve.engine.decode import PendingLogits
 from moe_serve.engine.graphs import GraphedBatchStep
 from moe_serve.engine.kv.paged_cache import PagedKVCache, PagedStep, StepLayout
 from moe_serve.engine.messages import TokenLogprob
@@ -54,23 +55,33 @@ class ModelRunner:
         self.graphs = graphs  # steps of decodes and short prefill chunks replay CUDA graphs when set
         self.masks = MaskFiller()  # the grammar masks, filled while the device runs each forward (engine/structured.py)
 
-    def execute(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
-        """Run chunks' tokens; per chunk, the token sampled after it and the prompt logprobs it scored."""
+    def execute(self, chunks: list[ScheduledChunk], verify: list[Feed] | None = None,
+                ) -> tuple[list[ChunkResult], torch.Tensor | None]:
+        """Run chunks' tokens; per chunk, the token sampled after it and the prompt logprobs it scored.
+        verify: feeds whose every token's logits are wanted too (a speculative round's verify pass,
+        moe_serve/engine/speculative/batched.py), run in the same forward; their logits [E, V] come
+        back on the host, else None."""
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         scored = [c.seq.unscored_prompt_positions(c.start, c.start + c.num_tokens) for c in chunks]
         masks = self.masks.pending([chunks[i].seq.grammar for i in sampling], self.device)
-        logits = self._forward(chunks, sampling, scored)  # [S + P, V]
+        logits, verified = self._forward(chunks, sampling, scored, verify or [])  # [S + P, V], [E, V] pending
         prompt_logprobs = self._score_prompts(chunks, scored, logits[len(sampling):]) if any(scored) else {}
         sampled = self._sample(chunks, sampling, logits[:len(sampling)], masks) if sampling else {}
-        return [ChunkResult(sampled.get(i), prompt_logprobs.get(i, [])) for i in range(len(chunks))]
+        results = [ChunkResult(sampled.get(i), prompt_logprobs.get(i, [])) for i in range(len(chunks))]
+        return results, None if verified is None else verified.result()
 
-    def _forward(self, chunks: list[ScheduledChunk], sampling: list[int], scored: list[range]) -> torch.Tensor:
-        """The logits [S + P, V] of each sampling chunk's last token, then of the scored prompt positions."""
+    def _forward(self, chunks: list[ScheduledChunk], sampling: list[int], scored: list[range],
+                 verify: list[Feed]) -> tuple[torch.Tensor, PendingLogits | None]:
+        """The logits [S + P, V] of each sampling chunk's last token, then of the scored prompt
+        positions; and those of every verify token [E, V], on their way to the host."""
         offsets = list(accumulate((c.num_tokens for c in chunks), initial=0))  # [C + 1] each chunk's first row
         score_rows = [offsets[i] + p - c.start for i, c in enumerate(chunks) for p in scored[i]]
         rows = [offsets[i + 1] - 1 for i in sampling] + score_rows
-        feeds = [Feed(c.seq.block_table, c.start, c.token_ids) for c in chunks]
-        return self.logits(feeds, rows, replay=not score_rows)
+        verify_rows = list(range(offsets[-1], offsets[-1] + sum(len(f.token_ids) for f in verify)))
+        feeds = [Feed(c.seq.block_table, c.start, c.token_ids) for c in chunks] + verify
+        logits = self.logits(feeds, rows + verify_rows, replay=not score_rows)  # [S + P + E, V]
+        # the verify rows' copy to the host is queued before the sampler's ops
+        return logits[:len(rows)], PendingLogits(logits[len(rows):]) if verify else None
 
     def logits(self, feeds: list[Feed], rows: list[int], moe_top_r: int | None = None,
                replay: bool = True) -> torch.Tensor:

@@ -12,6 +12,9 @@ cache. Who drafts:
   the draft has caught up; a round first feeds it what it has not seen (the prompt, tokens the
   target decoded plainly meanwhile) in the forward of its first drafted position.
 
+A step's prefill chunks (new prompts, or their next pieces) ride along in the verify forward,
+sampled and scored as in a plain step, so arrivals do not stop the others' speculation.
+
 KV after a round: the target holds all_ids[:-1] (num_computed_tokens), the draft the fed positions
 that hold committed tokens. A round changes no sequence until `accept`, so when `draft_and_verify`
 fails the engine can still decode the step plainly, each request on its own.
@@ -31,8 +34,9 @@ from itertools import accumulate
 import torch
 
 from moe_serve.engine.decode import PendingLogits
-from moe_serve.engine.model_runner import Feed, ModelRunner
+from moe_serve.engine.model_runner import ChunkResult, Feed, ModelRunner
 from moe_serve.engine.sampling import apply_penalties
+from moe_serve.engine.scheduler import ScheduledChunk
 from moe_serve.engine.sequence import Sequence
 from moe_serve.engine.speculative.config import SpecConfig
 from moe_serve.engine.speculative.loop import Drafted, accept, draft_budget, drafting_stops, propose
@@ -58,15 +62,22 @@ class BatchedSpeculator:
         """KV positions a round may write for seq (pending + its drafts): blocks to reserve first."""
         return seq.num_tokens + draft_budget(seq, self.config.gamma, max_model_len)
 
-    def draft_and_verify(self, seqs: list[Sequence], max_model_len: int) -> VerifiedRound:
+    def draft_and_verify(self, seqs: list[Sequence], max_model_len: int, chunks: list[ScheduledChunk] | None = None,
+                         ) -> tuple[VerifiedRound, list[ChunkResult]]:
+        """The round of seqs, and the results of the step's other chunks (prefills), whose tokens
+        the verify forward runs too, as a plain step would (ModelRunner.execute)."""
         started = time.perf_counter()
         drafts, fed = self._draft(seqs, [draft_budget(s, self.config.gamma, max_model_len) for s in seqs])
         drafted = time.perf_counter()
         feeds = [Feed(s.block_table, s.num_computed_tokens, s.all_ids[s.num_computed_tokens:] + [d.token for d in ds])
                  for s, ds in zip(seqs, drafts)]
-        tokens = sum(len(f.token_ids) for f in feeds)
-        logits = PendingLogits(self.target.logits(feeds, list(range(tokens)))).result()  # [tokens, V]
-        return VerifiedRound(seqs, drafts, fed, logits, drafted - started, time.perf_counter() - drafted)
+        if chunks:
+            results, logits = self.target.execute(chunks, verify=feeds)  # logits [tokens, V] on the host
+        else:
+            tokens = sum(len(f.token_ids) for f in feeds)
+            results, logits = [], PendingLogits(self.target.logits(feeds, list(range(tokens)))).result()
+        return (VerifiedRound(seqs, drafts, fed, logits, drafted - started, time.perf_counter() - drafted),
+                results)
 
     def accept(self, verified: VerifiedRound, max_model_len: int) -> None:
         """Emit each sequence's kept drafts and its correction or bonus token; roll the caches' progress back."""

@@ -71,9 +71,8 @@ class _Choice:
     probe_mode: bool = False  # the mode being re-measured
 
     def speculate(self) -> bool:
-        for mode, cost in ((True, self.speculative), (False, self.plain)):
-            if cost.steps < MEASURED_STEPS:
-                return mode  # measure speculation first, then plain decoding
+        if not self.measured:
+            return self.current()  # measure speculation first, then plain decoding
         if self.probe_left:
             self.probe_left -= 1
             return self.probe_mode
@@ -84,6 +83,13 @@ class _Choice:
             self.probe_mode, self.probe_left = not winner, PROBE_STEPS - 1
             return self.probe_mode
         return winner
+
+    def current(self) -> bool:
+        """speculate()'s answer without the probes: it changes nothing."""
+        for mode, cost in ((True, self.speculative), (False, self.plain)):
+            if cost.steps < MEASURED_STEPS:
+                return mode
+        return self.winner()
 
     def record(self, speculated: bool, seconds: float, tokens: int, counted: bool, smoothing: float) -> None:
         if counted:
@@ -109,6 +115,12 @@ class SpecSwitch:
     def speculate(self, batch: int) -> bool:
         """Whether this step's `batch` decoding sequences speculate (call once per step that could)."""
         return self.choice(batch).speculate()
+
+    def prefers(self, batch: int) -> bool:
+        """The bucket's current mode without its probes, changing nothing, for a step whose prefill
+        chunks would spoil a measurement (it is recorded as one that could not speculate): each mode
+        while it is being measured, speculation first, then the winner."""
+        return self.choice(batch).current()
 
     def record(self, batch: int | None, speculated: bool, seconds: float, tokens: int) -> None:
         """Every step: the decoding sequences that could have speculated (None: the step could not)

@@ -18,11 +18,15 @@ from moe_serve.engine.speculative.switch import SpecSwitch
 
 
 class AsABatch(SpecSwitch):
-    """Speculate on every step of two or more decoding sequences, never alone (the measured choice
-    is tested in test_switch.py; the lone decoder in test_spec_greedy.py)."""
+    """Speculate on every step of two or more decoding sequences, never alone unless prefill chunks
+    ride along (the measured choice is tested in test_switch.py; the lone decoder in
+    test_spec_greedy.py)."""
 
     def speculate(self, batch: int) -> bool:
         return batch > 1
+
+    def prefers(self, batch: int) -> bool:  # beside prefill chunks: always, even a lone sequence
+        return True
 
 
 def requests(params: list[SamplingParams], seed: int = 1) -> list[GenerateRequest]:
@@ -95,6 +99,39 @@ def test_a_speculating_batch_changes_no_greedy_answer(checkpoint: Callable[..., 
     assert_same(answers, solo_answers(checkpoint(family), reqs))
 
 
+@pytest.mark.parametrize("drafter", ["self", "draft model"])
+def test_arriving_prompts_ride_in_the_verify_pass(checkpoint: Callable[..., Path], drafter: str):
+    """Requests arrive while others speculate: their prefills run in the rounds' verify forwards
+    (one beside a lone decoding sequence), and no answer changes."""
+    reqs = requests(GREEDY)
+    core = spec_core(checkpoint("qwen3_moe"), checkpoint("llama", seed=3) if drafter == "draft model" else None)
+    speculator, carried = core.runtime.speculator, []
+    real = speculator.draft_and_verify
+
+    def counting(seqs, max_model_len, chunks=None):
+        carried.append((len(seqs), len(chunks or [])))
+        return real(seqs, max_model_len, chunks)
+
+    speculator.draft_and_verify = counting
+    answers: dict[str, tuple[list[int], list]] = {r.request_id: ([], []) for r in reqs}
+    try:
+        for arrivals, steps in (([reqs[0]], 2), ([reqs[1]], 3), (reqs[2:4], 2), ([reqs[4]], 10**6)):
+            for request in arrivals:
+                assert core.add_request(request) is None
+            for _ in range(steps):
+                if not core.has_unfinished():
+                    break
+                for o in core.step():
+                    assert o.error is None, o.error
+                    answers[o.request_id][0].extend(o.new_token_ids)
+                    answers[o.request_id][1].extend(o.logprobs)
+        assert core.scheduler.blocks.num_free_blocks == core.scheduler.config.num_blocks
+    finally:
+        core.close()
+    assert (1, 1) in carried and any(seqs > 1 and chunks for seqs, chunks in carried), carried
+    assert_same(answers, solo_answers(checkpoint("qwen3_moe"), reqs))
+
+
 def test_the_draft_model_catches_up_on_tokens_decoded_plainly(checkpoint: Callable[..., Path]):
     """Batches that speculate every other step: the draft model's cache lags behind the target's
     after each plain step and its next round feeds it what it missed, in one forward."""
@@ -139,11 +176,11 @@ def test_a_failing_round_decodes_the_step_plainly_and_loses_no_one(checkpoint: C
     speculator, failures = core.runtime.speculator, []
     real = speculator.draft_and_verify
 
-    def fail_every_third(seqs, max_model_len):
+    def fail_every_third(seqs, max_model_len, chunks=None):
         if len(failures) < 3 and core.runtime.spec_stats.verify_steps % 3 == 0:
             failures.append(len(seqs))
             raise RuntimeError("device fault while verifying")
-        return real(seqs, max_model_len)
+        return real(seqs, max_model_len, chunks)
 
     speculator.draft_and_verify = fail_every_third
     try:

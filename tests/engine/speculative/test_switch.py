@@ -103,3 +103,20 @@ def test_a_step_that_emitted_nothing_teaches_nothing():
     switch.record(1, True, seconds=1.0, tokens=0)
     switch.record(1, True, seconds=1.0, tokens=0)
     assert switch.choice(1).speculative.steps == 0 and switch.choice(1).speculative.seconds_per_token is None
+
+
+def test_prefers_follows_the_current_mode_and_changes_nothing():
+    """Steps with prefill chunks riding along ask prefers: speculation while it is being measured,
+    plain decoding while that is, then the winner, without spending the probes' countdown or
+    adding to the measurements."""
+    switch = SpecSwitch()
+    assert switch.prefers(4)
+    for _ in range(PROBE_STEPS):
+        lone_step(switch, (0.004, 4), (0.002, 1), batch=4)
+    assert not switch.prefers(4)  # speculation measured, plain decoding not yet
+    for _ in range(PROBE_STEPS):
+        lone_step(switch, (0.004, 4), (0.002, 1), batch=4)  # speculation wins at 4
+    choice = switch.choice(4)
+    before = (choice.speculative.steps, choice.plain.steps, choice.probe_left, choice.winner_seconds)
+    assert all(switch.prefers(4) for _ in range(100))
+    assert (choice.speculative.steps, choice.plain.steps, choice.probe_left, choice.winner_seconds) == before
