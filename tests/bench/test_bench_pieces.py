@@ -12,6 +12,7 @@ from bench.cutoff_sweep import verdict
 from bench.floor import Bandwidths, StepBytes, floor_seconds, step_bytes
 from bench.report import markdown
 from bench.rows import RowResult, failed_row
+from moe_serve.engine.speculative.switch import SpecSwitch
 from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_hf_model
 
 
@@ -65,3 +66,29 @@ def test_markdown_keeps_errors_and_skips_visible() -> None:
     rows = [failed_row("a", {"error": "RuntimeError('boom')"}), failed_row("b", {"skipped": "no draft"})]
     text = markdown({"title": "t", "command": "c", "rows": [r.as_dict() for r in rows], "ratios": {}})
     assert "ERROR: RuntimeError('boom')" in text and "skipped: no draft" in text
+
+
+class AlwaysSpeculate(SpecSwitch):
+    def speculate(self, batch: int) -> bool:
+        return True
+
+    def prefers(self, batch: int) -> bool:
+        return True
+
+
+def test_spec_arrivals_closed_loop_keeps_its_clients_and_counts_rounds_with_prefills(tmp_path: Path) -> None:
+    from bench.spec_arrivals import ClosedLoop
+    from moe_serve.engine.config import EngineConfig
+    from moe_serve.engine.core import EngineCore
+
+    path = build_tiny_checkpoint("qwen3_moe", tmp_path / "qwen3_moe")
+    core = EngineCore(EngineConfig(model=str(path), max_model_len=128, spec="self", spec_tokens=3))
+    core.spec_switch = AlwaysSpeculate()  # the measured choice (test_switch.py) may pick plain on a CPU
+    prompts = [[5 + i, 9, 17 + i, 4] for i in range(4)]
+    try:
+        loop = ClosedLoop(core, prompts)
+        old, new = loop.run(False, 2, 5, "old"), loop.run(True, 2, 5, "new")
+    finally:
+        core.close()
+    assert old["tokens"] == new["tokens"] == 5 * 64
+    assert old["rounds_with_riders"] == 0 < new["rounds_with_riders"]
