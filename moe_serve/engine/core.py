@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 from moe_serve.engine.config import EngineConfig
 from moe_serve.engine.messages import EngineReady, GenerateRequest, MetricsSnapshot, RequestOutput
-from moe_serve.engine.runtime import Runtime, build_runtime
 from moe_serve.engine.model_runner import ChunkResult
+from moe_serve.engine.runtime import Runtime, build_runtime
 from moe_serve.engine.scheduler import ScheduledChunk, Scheduler
 from moe_serve.engine.sampling import draft_verify_honours
 from moe_serve.engine.sequence import Sequence
@@ -104,8 +104,8 @@ class EngineCore:
 
     def _could_speculate(self, chunks: list[ScheduledChunk], decoding: list[Sequence],
                          riders: list[ScheduledChunk]) -> bool:
-        """Every decoding sequence speculates, with sampling draft/verify honours: constrained ones
-        decode plainly (a draft would need the grammar's mask at every position). A lone sequence
+        """Every decoding sequence may speculate: its sampling is one draft/verify honours and no
+        grammar constrains it (a draft would need the grammar's mask at every position). A lone sequence
         moves into the lone decoder's cache, so only with nothing else running or waiting; a batch's
         verify pass, with the prefill chunks (riders) it carries, must fit the step's token budget."""
         if self.runtime.decoder is None or not decoding:
