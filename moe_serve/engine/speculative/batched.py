@@ -71,11 +71,7 @@ class BatchedSpeculator:
         drafted = time.perf_counter()
         feeds = [Feed(s.block_table, s.num_computed_tokens, s.all_ids[s.num_computed_tokens:] + [d.token for d in ds])
                  for s, ds in zip(seqs, drafts)]
-        if chunks:
-            results, logits = self.target.execute(chunks, verify=feeds)  # logits [tokens, V] on the host
-        else:
-            tokens = sum(len(f.token_ids) for f in feeds)
-            results, logits = [], PendingLogits(self.target.logits(feeds, list(range(tokens)))).result()
+        results, logits = self.target.execute(chunks or [], verify=feeds)  # logits [tokens, V] on the host
         return (VerifiedRound(seqs, drafts, fed, logits, drafted - started, time.perf_counter() - drafted),
                 results)
 
