@@ -157,8 +157,7 @@ if triton is not None:
     def _nibble_products(words, shift: tl.constexpr, v, unit: tl.constexpr):
         """[R, W] n * v for the nibble n at bit `shift` of each word: its bits in place, OR'd into the
         mantissa of 2**23, are the float 2**23 + n * 2**shift exactly; v arrives scaled by `unit`, 2**-shift."""
-        nibble = ((words & (15 << shift)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        return nibble * (v * unit)[None, :]
+        return _float_minus(words & (15 << shift), 0) * (v * unit)[None, :]
 
     @triton.jit
     def _dot_words(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
