@@ -73,6 +73,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefetch for the first N target MoE layers while drafting (default: profiled)")
     parser.add_argument("--spec-adaptive-tokens", action="store_true",
                         help="adapt gamma per request from recent acceptance")
+    parser.add_argument("--spec-switch", default="measured", choices=["measured", "always"],
+                        help="measured: each batch size speculates while measured faster than plain decoding; "
+                             "always: every step that may speculate does (benchmarks, tests)")
     parser.add_argument("--spec-adaptive-accept", type=float, default=None, metavar="T",
                         help="LOSSY SS-MoE adaptive acceptance with tolerance T (default: off, lossless)")
     parser.add_argument("--cuda-graphs", default="on", choices=["on", "off"],
@@ -115,7 +118,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         record_routing=args.record_routing, spec=args.spec, draft=args.draft,
         spec_tokens=args.spec_tokens, spec_top_r=args.spec_top_r, spec_confidence=args.spec_confidence,
         spec_cutoff=args.spec_cutoff, spec_adaptive_tokens=args.spec_adaptive_tokens,
-        spec_adaptive_accept=args.spec_adaptive_accept, cuda_graphs=args.cuda_graphs == "on",
+        spec_switch=args.spec_switch, spec_adaptive_accept=args.spec_adaptive_accept,
+        cuda_graphs=args.cuda_graphs == "on",
         trust_remote_code=args.trust_remote_code, logging=LogSettings(args.log_level, args.log_format),
     )
 

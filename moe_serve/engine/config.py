@@ -77,6 +77,7 @@ class EngineConfig:
     spec_cutoff: int | None = None
     spec_adaptive_accept: float | None = None  # SS-MoE tolerance T: lossy, opt-in only
     spec_adaptive_tokens: bool = False  # per-request gamma from recent acceptance
+    spec_switch: str = "measured"  # measured | always: when a step that may speculate does (speculative/switch.py)
     cuda_graphs: bool = True  # replay short forwards (decode, draft, verify) as CUDA graphs (moe_serve/engine/graphs.py)
     trust_remote_code: bool = False
     logging: LogSettings = field(default_factory=LogSettings)  # the engine process sets up its own logging

@@ -34,7 +34,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.runtime.scheduler_config)
         self.tpot_samples: list[float] = []
         self.batch_samples: list[tuple[int, int]] = []  # (sequences, tokens) per step since the last snapshot
-        self.spec_switch = SpecSwitch()
+        self.spec_switch = SpecSwitch(always=config.spec_switch == "always")
         self._speculating: Sequence | None = None  # the sequence the speculative decoder's caches hold
         self.grammars = Grammars.of_checkpoint(config.model, self.runtime.model_config.vocab_size,
                                                config.trust_remote_code)

@@ -109,18 +109,19 @@ class _Choice:
 @dataclass
 class SpecSwitch:
     smoothing: float = 0.25  # weight of the newest counted step in the sums
+    always: bool = False  # --spec-switch always: every step that may speculate does, measured or not
     buckets: dict[int, _Choice] = field(default_factory=dict)
     _previous: tuple[int, bool] | None = None  # the last step's (bucket, mode); None if it could not speculate
 
     def speculate(self, batch: int) -> bool:
         """Whether this step's `batch` decoding sequences speculate (call once per step that could)."""
-        return self.choice(batch).speculate()
+        return self.always or self.choice(batch).speculate()
 
     def prefers(self, batch: int) -> bool:
         """The bucket's current mode without its probes, changing nothing, for a step whose prefill
         chunks would spoil a measurement (it is recorded as one that could not speculate): each mode
         while it is being measured, speculation first, then the winner."""
-        return self.choice(batch).current()
+        return self.always or self.choice(batch).current()
 
     def record(self, batch: int | None, speculated: bool, seconds: float, tokens: int) -> None:
         """Every step: the decoding sequences that could have speculated (None: the step could not)

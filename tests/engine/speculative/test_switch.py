@@ -120,3 +120,11 @@ def test_prefers_follows_the_current_mode_and_changes_nothing():
     before = (choice.speculative.steps, choice.plain.steps, choice.probe_left, choice.winner_seconds)
     assert all(switch.prefers(4) for _ in range(100))
     assert (choice.speculative.steps, choice.plain.steps, choice.probe_left, choice.winner_seconds) == before
+
+
+def test_always_speculates_whatever_the_measurements_say():
+    """--spec-switch always: plain decoding measured cheaper in every bucket, yet every step that may
+    speculate does (the measurements still go on, for nothing)."""
+    switch = SpecSwitch(always=True)
+    assert all(lone_step(switch, (0.200, 2), (0.001, 1), batch) for batch in (1, 4, 32) for _ in range(50))
+    assert switch.prefers(4) and switch.choice(4).speculative.steps == 49
