@@ -56,9 +56,11 @@ def logits(loaded: LoadedModel, tokens: int = 12) -> torch.Tensor:
 
 def assert_same_model(quantized: LoadedModel, reference: LoadedModel) -> None:
     """Every expert decodes to the reference's weights exactly, and the logits agree (fp32)."""
-    for matrix in ("gate_up", "down"):
-        torch.testing.assert_close(quantized.store.layout.weights(quantized.store.rows, matrix),
-                                   reference.store.layout.weights(reference.store.rows, matrix), rtol=0, atol=0)
+    got, want = quantized.store, reference.store
+    for moe in range(quantized.config.num_moe_layers):  # each layer in its own layout
+        for matrix in ("gate_up", "down"):
+            torch.testing.assert_close(got.layout_of(moe).weights(got.rows[moe], matrix),
+                                       want.layout_of(moe).weights(want.rows[moe], matrix), rtol=0, atol=0)
     torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-5, atol=1e-5)
 
 

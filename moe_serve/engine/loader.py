@@ -184,8 +184,8 @@ def load_model(
     with tqdm(total=len(targets), desc="loading weights", unit="tensor", disable=None if progress else True) as bar:
         store = runner = None
         if config.is_moe:
-            layout = config.expert_layout(dtype, expert_quant)
-            store = ExpertStore.for_device(config.num_moe_layers, config.num_experts, layout, device)
+            layouts = config.expert_layouts(dtype, expert_quant)
+            store = ExpertStore.for_device(config.num_moe_layers, config.num_experts, layouts, device)
             _load_experts(store, config, rules, quant, checkpoint.tensors([t for t in targets if t.is_expert], bar))
             runner = runner_factory(store, config)
         model = CausalLM(config, runner, device=device, dtype=dtype)
@@ -306,7 +306,7 @@ def _load_experts(
         filled |= keys
         try:
             if isinstance(tensor, dict):
-                tensor = EncodedWeight(*quant.expert_parts(tensor, store.layout.format))
+                tensor = EncodedWeight(*quant.expert_parts(tensor, store.layouts[moe].format_of("down" if part == "down" else "gate_up")))
             if isinstance(tensor, EncodedWeight):
                 store.put_encoded(moe, target.expert, part, tensor.data, tensor.scales)
             elif target.expert is None:

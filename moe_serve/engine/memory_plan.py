@@ -79,7 +79,8 @@ def plan_memory(config: EngineConfig, model: ModelConfig, draft: ModelConfig | N
     # a draft model's paged cache has the target's blocks (batched speculation): a block holds both
     per_block = sum(kv_bytes_per_token(m, dtype) for m in models) * block_size
     one_sequence_kv = blocks_for(max_len, block_size) * per_block
-    one_expert = model.expert_layout(dtype, config.expert_quant).nbytes if model.is_moe else 0
+    # an expert slot holds any layer's expert: the largest
+    one_expert = max(layout.nbytes for layout in model.expert_layouts(dtype, config.expert_quant)) if model.is_moe else 0
     all_experts = model.num_moe_layers * model.num_experts * one_expert
     weights = sum(non_expert_bytes(m, dtype) for m in models)
     sequence_kv = sum(kv_bytes_per_token(m, dtype) * max_len for m in models)

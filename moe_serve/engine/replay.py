@@ -170,7 +170,7 @@ def _waves(table: ExpertSlotTable, stats: ExpertStats, run: LayerRun) -> Iterato
             raise RuntimeError(f"no expert slot can be freed for layer {run.layer}")
         for key, _ in plan.misses.placed:
             table.complete(key)
-        stats.add_wave(run.layer, plan, expert_bytes=1)
+        stats.add_wave(run.layer, plan)
         yield plan.hits + [k for k, _ in plan.misses.placed]
         remaining = plan.misses.unplaced
 
@@ -179,7 +179,7 @@ def _prefetch(table: ExpertSlotTable, stats: ExpertStats, layer: int, experts: S
     placement = table.place([(layer, e) for e in experts if (layer, e) not in table], pin=False, prefetched=True)
     for key, _ in placement.placed:
         table.complete(key)
-    stats.add_prefetch(placement, expert_bytes=1)
+    stats.add_prefetch(placement)
 
 
 def replay(trace: Trace, capacities: Sequence[int], policies: Sequence[str], predictors: Sequence[str]) -> list[Result]:

@@ -81,8 +81,8 @@ class Runtime:
             "expert_misses": total.misses,
             "hit_rate": total.hit_rate,
             "pcie_bytes": total.demand_bytes + total.prefetch_bytes,
-            "expert_format": self.runner.layout.format.name if self.runner is not None else None,
-            "expert_bytes": self.runner.layout.nbytes if self.runner is not None else 0,  # one expert's row: one copy
+            "expert_format": self.runner.store.format_name if self.runner is not None else None,
+            "expert_bytes": self.runner.store.row_nbytes if self.runner is not None else 0,  # one expert's row: one copy
             "pcie_wait_seconds": total.pcie_wait_seconds,
             "prefetch_used": total.prefetch_used,
             "prefetch_wasted": total.prefetch_wasted,
@@ -135,8 +135,8 @@ class Runtime:
             num_running=num_running,
             num_waiting=num_waiting,
             tpot_samples=tpot_samples,
-            expert_format=self.runner.layout.format.name if self.runner is not None else "",
-            expert_bytes=self.runner.layout.nbytes if self.runner is not None else 0,
+            expert_format=self.runner.store.format_name if self.runner is not None else "",
+            expert_bytes=self.runner.store.row_nbytes if self.runner is not None else 0,
         )
 
     def describe(self) -> dict:
@@ -146,8 +146,8 @@ class Runtime:
             "model": cfg.model, "device": cfg.device, "architecture": self.model_config.architecture,
             "gpu_expert_budget": cfg.gpu_expert_budget, "cache_policy": cfg.cache_policy,
             "prefetch": cfg.prefetch, "cpu_experts": cfg.cpu_experts, "spec": cfg.spec,
-            "expert_format": self.runner.layout.format.describe() if self.runner is not None else None,
-            "expert_bytes": self.runner.layout.nbytes if self.runner is not None else 0,
+            "expert_format": self.runner.store.describe_formats() if self.runner is not None else None,
+            "expert_bytes": self.runner.store.row_nbytes if self.runner is not None else 0,
             "max_model_len": self.max_model_len,
             "max_num_seqs": self.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": self.scheduler_config.max_num_batched_tokens,
@@ -241,7 +241,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
         speculator = BatchedSpeculator(batch_runner, draft_runner, SpecConfig.from_engine(config), spec_stats)
     log.info("engine ready: %s", {"model": config.model, "device": str(device), "dtype": str(dtype),
                                   "spec": config.spec,
-                                  "experts": runner.layout.describe() if runner is not None else None})
+                                  "experts": runner.store.describe() if runner is not None else None})
     return Runtime(config, loaded.config, target, runner, decoder, batch_runner, speculator, scheduler_config, max_len,
                    spec_stats, recorder)
 

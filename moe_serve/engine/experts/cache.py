@@ -34,9 +34,12 @@ def copy_row(dst: torch.Tensor, src: torch.Tensor) -> None:
 class ExpertSource(Protocol):
     """What the cache needs from ExpertStore."""
 
-    layout: ExpertLayout
+    layouts: tuple[ExpertLayout, ...]  # per layer
     num_layers: int
     num_experts: int
+    row_numel: int  # an expert slot's elements
+    row_dtype: torch.dtype
+    row_nbytes: int
 
     def row(self, layer: int, expert: int) -> torch.Tensor: ...
 
@@ -205,13 +208,12 @@ class Wave:
 class ExpertCache:
     def __init__(self, store: ExpertSource, budget: int | float | None, policy: EvictionPolicy,
                  device: torch.device | str, top_k: int, copy_fn: CopyFn = copy_row) -> None:
-        self.layout = store.layout
         self.device = torch.device(device)
         total = store.num_layers * store.num_experts
-        self.capacity = cache_capacity(budget, total, self.layout.nbytes, top_k)
-        self.stats = ExpertStats(store.num_layers)
+        self.capacity = cache_capacity(budget, total, store.row_nbytes, top_k)
+        self.stats = ExpertStats(store.num_layers, [layout.nbytes for layout in store.layouts])
         self._store = store
-        self._expert_slots = torch.empty(self.capacity, self.layout.numel, dtype=self.layout.row_dtype,
+        self._expert_slots = torch.empty(self.capacity, store.row_numel, dtype=store.row_dtype,
                                          device=self.device)  # [S, numel]: rows in the store's format
         self._table = ExpertSlotTable(self.capacity, policy)
         cuda = self.device.type == "cuda"
@@ -255,7 +257,7 @@ class ExpertCache:
             plan = self._table.plan_wave(keys) if fits else None
             if plan is not None and (plan.hits or plan.misses.placed or not keys):
                 work = self._start_copies(plan.misses.placed, demand_layer=layer)
-                self.stats.add_wave(layer, plan, self.layout.nbytes)
+                self.stats.add_wave(layer, plan)
                 wave = self._wave(layer, plan.hits, plan.misses.placed, plan.misses.unplaced)
                 break
             blocker = self._oldest_in_flight()
@@ -327,7 +329,7 @@ class ExpertCache:
                 return
         placement = self._table.place(wanted, pin=False, prefetched=True)
         work = self._start_copies(placement.placed, demand_layer=None)
-        self.stats.add_prefetch(placement, self.layout.nbytes)
+        self.stats.add_prefetch(placement)
         work()
 
     def finish_step(self) -> None:
@@ -342,7 +344,8 @@ class ExpertCache:
                     leftover=[k[1] for k in unplaced], allocation=self._expert_slots)
 
     def _start_copies(self, placed: list[tuple[Key, int]], *, demand_layer: int | None) -> Callable[[], None]:
-        pairs = [(self._expert_slots[expert_slot], self._store.row(*key)) for key, expert_slot in placed]
+        rows = [(self._store.row(*key), expert_slot) for key, expert_slot in placed]
+        pairs = [(self._expert_slots[expert_slot, :len(row)], row) for row, expert_slot in rows]  # no padding moves
         markers = {id(m): m for m in (self._released.get(expert_slot) for _, expert_slot in placed) if m is not None}
         try:
             readies, work = self._copier.start(pairs, list(markers.values()), demand_layer=demand_layer)

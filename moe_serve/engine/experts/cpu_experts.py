@@ -18,6 +18,7 @@ import torch
 
 from moe_serve.engine.experts.cache import ExpertSource
 from moe_serve.engine.experts.compute import accumulate_experts
+from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.timing import median_seconds
 
@@ -79,7 +80,7 @@ class CpuExperts:
         # use the CPU pay for them
         inputs = (x.cpu(), torch.tensor(ids), routing.expert_weights.cpu())  # [T, H], [T, k], [T, k]
         rows = {e: self._store.row(routing.layer, e) for e in chosen}
-        return CpuJob(chosen, self._pool.submit(_weighted_sum, inputs, rows, self._store))
+        return CpuJob(chosen, self._pool.submit(_weighted_sum, inputs, rows, self._store.layouts[routing.layer]))
 
     def finish(self, job: CpuJob, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] (the GPU experts' sum) plus the CPU experts' sum."""
@@ -90,17 +91,16 @@ class CpuExperts:
 
 
 def _weighted_sum(inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: dict[int, torch.Tensor],
-                  store: ExpertSource) -> torch.Tensor:
+                  layout: ExpertLayout) -> torch.Tensor:
     x, expert_ids, expert_weights = inputs
     out = torch.zeros_like(x)  # [T, H]
-    accumulate_experts(out, x, expert_ids, expert_weights, rows, store.layout)
+    accumulate_experts(out, x, expert_ids, expert_weights, rows, layout)
     return out
 
 
 def profile_costs(store: ExpertSource, device: torch.device, repeats: int = 5) -> ExpertCosts:
     """Measure ExpertCosts on this machine with the store's own rows and the runner's own paths."""
-    layout = store.layout
-    scratch = torch.empty(layout.numel, dtype=layout.row_dtype, device=device)
+    scratch = torch.empty(store.layouts[0].numel, dtype=store.row_dtype, device=device)  # layer 0's expert, as profiled below
     copy = median_seconds(lambda: scratch.copy_(store.row(0, 0), non_blocking=True), device, repeats)
     always = CpuExperts(store, ExpertCosts(copy_seconds=float("inf"), cpu_base_seconds=0.0, cpu_per_token_seconds=0.0))
     try:
@@ -114,7 +114,8 @@ def profile_costs(store: ExpertSource, device: torch.device, repeats: int = 5) -
 
 def _cpu_round_trip(cpu: CpuExperts, store: ExpertSource, tokens: int, device: torch.device) -> Callable[[], None]:
     """Expert 0 of layer 0 for `tokens` tokens through start -> finish, as a layer run does it."""
-    x = torch.randn(tokens, store.layout.hidden_size, device=device).to(store.layout.dtype)  # [T, H]
+    layout = store.layouts[0]
+    x = torch.randn(tokens, layout.hidden_size, device=device).to(layout.dtype)  # [T, H]
     probs = torch.full((tokens, store.num_experts), 1.0 / store.num_experts, device=device)  # [T, E]
     routing = LayerRouting(0, torch.zeros(tokens, 1, dtype=torch.long, device=device), probs[:, :1], probs)
 

@@ -10,7 +10,7 @@ These two Triton kernels are memory-bound GEMVs that read the selected slots whe
    experts: y = sum_j weight_j * down_j[h_block, :] · act_j, so the routing weights and the sum
    over k are folded in, in a fixed order (deterministic: no atomics).
 
-Weights are loaded through the layout's format (formats/*.py `triton_load`, a compile-time argument):
+Weights are loaded through their matrix's format (formats/*.py `triton_load`, a compile-time argument):
 a quantized slot is read as stored and decoded in registers, and the plain format's load is the
 bare tile load. A format that computes a tile's dot product with the vector itself (`triton_dot`:
 int4, whose two weights a byte would otherwise be interleaved back into order) is called instead,
@@ -56,13 +56,15 @@ DOT_CONFIG = FusedConfig(gate_up_rows=8, gate_up_cols=2048, gate_up_warps=4, dow
                          down_warps=4)
 
 
-def default_config(tokens: int, hidden: int, intermediate: int, dot: bool = False) -> FusedConfig:
+def default_config(tokens: int, hidden: int, intermediate: int, gate_up_dot: bool = False,
+                   down_dot: bool = False) -> FusedConfig:
     """One set of tiles, best or within ~2% of the best on H100 for OLMoE and Mixtral shapes at
-    T = 1 and 4 (the sweep in bench/results/kernels/fused_experts.json, key "sweep"); DOT_CONFIG for a
-    format with a triton_dot; clamped for small models."""
-    best = DOT_CONFIG if dot else FusedConfig()
-    return replace(best, gate_up_cols=min(best.gate_up_cols, triton.next_power_of_2(hidden)),
-                   down_cols=min(best.down_cols, triton.next_power_of_2(intermediate)))
+    T = 1 and 4 (the sweep in bench/results/kernels/fused_experts.json, key "sweep"); DOT_CONFIG's
+    for a matrix whose format has a triton_dot; clamped for small models."""
+    gate_up, down = (DOT_CONFIG if dot else FusedConfig() for dot in (gate_up_dot, down_dot))
+    return replace(gate_up, gate_up_cols=min(gate_up.gate_up_cols, triton.next_power_of_2(hidden)),
+                   down_rows=down.down_rows, down_cols=min(down.down_cols, triton.next_power_of_2(intermediate)),
+                   down_warps=down.down_warps)
 
 
 def fused_experts_available(device: torch.device | str) -> bool:
@@ -85,12 +87,7 @@ def fused_experts(
     slots [S, numel] packed rows. Returns sum_j weight_j * expert_j(x) as [T, H] in x's dtype."""
     t, k = slot_ids.shape
     h, i = layout.hidden_size, layout.intermediate_size
-    dot = layout.format.triton_dot
-    cfg = config or default_config(t, h, i, dot is not None)
-    w, s = layout.kernel_views(slots)  # [S, *] the rows as weight data and as scales
-    # DOT is compiled in only where the format has one (a constexpr function argument cannot be None)
-    operands = {"row_stride": w.stride(0), "scale_stride": s.stride(0), "LOAD": layout.format.triton_load,
-                "DOT": layout.format.triton_load if dot is None else dot, "USE_DOT": dot is not None}
+    cfg = config or default_config(t, h, i, *(layout.format_of(m).triton_dot is not None for m in ("gate_up", "down")))
     x = x.contiguous()
     ids = slot_ids.reshape(-1).contiguous()  # [T*k]
     weights = expert_weights.reshape(-1).contiguous()  # [T*k]
@@ -98,16 +95,31 @@ def fused_experts(
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
     if t * k:  # k == 0 (every expert of the token left to the CPU): the down kernel writes zeros
         _gate_up_kernel[(t * k, triton.cdiv(i, cfg.gate_up_rows))](
-            x, w, s, ids, act, **operands, H=h, I=i, K=k, DATA=layout.element_offset("gate_up"),
-            SCALES=layout.element_offset("gate_up.scales"),
+            x_ptr=x, **_with_dot(layout, slots, "gate_up"), ids_ptr=ids, act_ptr=act, H=h, I=i, K=k,
             BLOCK_I=cfg.gate_up_rows, BLOCK_H=cfg.gate_up_cols, num_warps=cfg.gate_up_warps,
         )
     _down_kernel[(t, triton.cdiv(h, cfg.down_rows))](
-        act, w, s, ids, weights, out, **operands, H=h, I=i, K=k, DATA=layout.element_offset("down"),
-        SCALES=layout.element_offset("down.scales"),
-        BLOCK_H=cfg.down_rows, BLOCK_I=cfg.down_cols, num_warps=cfg.down_warps,
+        act_ptr=act, **_with_dot(layout, slots, "down"), ids_ptr=ids, weights_ptr=weights, out_ptr=out, H=h, I=i,
+        K=k, BLOCK_H=cfg.down_rows, BLOCK_I=cfg.down_cols, num_warps=cfg.down_warps,
     )
     return out
+
+
+def matrix_operands(layout: ExpertLayout, slots: torch.Tensor, matrix: str) -> dict:
+    """The expert kernels' arguments for one matrix ('gate_up' or 'down'): the slots [S, numel] as
+    its data and as its scales, their row strides, where its sections start, and its format's load."""
+    w, s = layout.kernel_views(slots, matrix)  # [S, *]
+    return {"w_ptr": w, "s_ptr": s, "row_stride": w.stride(0), "scale_stride": s.stride(0),
+            "DATA": layout.element_offset(matrix), "SCALES": layout.element_offset(matrix + ".scales"),
+            "LOAD": layout.format_of(matrix).triton_load}
+
+
+def _with_dot(layout: ExpertLayout, slots: torch.Tensor, matrix: str) -> dict:
+    """matrix_operands plus the format's tile dot, compiled in only where it has one (a constexpr
+    function argument cannot be None)."""
+    operands = matrix_operands(layout, slots, matrix)
+    dot = layout.format_of(matrix).triton_dot
+    return {**operands, "DOT": operands["LOAD"] if dot is None else dot, "USE_DOT": dot is not None}
 
 
 if triton is not None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_serve.engine.experts.fused_experts import matrix_operands
 from moe_serve.engine.experts.layout import ExpertLayout
 
 try:
@@ -167,18 +168,16 @@ def grouped_experts(
     act = torch.empty(t * k, i, dtype=layout.dtype, device=x.device)  # [P, I]
     y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)  # [P, H] weighted, per pair
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
-    pairs = (blocks.order, blocks.block_slot, blocks.block_first, blocks.block_rows, blocks.num_blocks)
-    w, s = layout.kernel_views(slots)  # [S, *] the rows as weight data and as scales
-    operands = {"row_stride": w.stride(0), "scale_stride": s.stride(0), "LOAD": layout.format.triton_load}
+    pairs = {"order_ptr": blocks.order, "block_slot_ptr": blocks.block_slot, "block_first_ptr": blocks.block_first,
+             "block_rows_ptr": blocks.block_rows, "num_blocks_ptr": blocks.num_blocks}
     _gate_up_kernel[(grid_blocks, triton.cdiv(i, cfg.gate_up_block_i))](
-        x, w, s, *pairs, act, **operands, H=h, I=i, K=k, DATA=layout.element_offset("gate_up"),
-        SCALES=layout.element_offset("gate_up.scales"), BLOCK_M=cfg.block_m,
-        BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
+        x_ptr=x, **matrix_operands(layout, slots, "gate_up"), **pairs, act_ptr=act, H=h, I=i, K=k,
+        BLOCK_M=cfg.block_m, BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
     )
     _down_kernel[(grid_blocks, triton.cdiv(h, cfg.down_block_h))](
-        act, w, s, expert_weights.reshape(-1).contiguous(), *pairs, y, **operands, H=h, I=i,
-        DATA=layout.element_offset("down"), SCALES=layout.element_offset("down.scales"), BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i,
+        act_ptr=act, **matrix_operands(layout, slots, "down"), weights_ptr=expert_weights.reshape(-1).contiguous(),
+        **pairs, y_ptr=y, H=h, I=i, BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages,
     )
     _sum_pairs_kernel[(t, triton.cdiv(h, cfg.sum_block_h))](y, out, H=h, K=k, BLOCK_H=cfg.sum_block_h)

@@ -1,7 +1,8 @@
 """How one expert is packed into a single contiguous row of bytes, whatever its weight format.
 
 A row holds the fused gate+up projection [2I, H] (gate rows first) and the down projection
-[H, I], each encoded by the layout's format (formats/), then their scales if the format has any:
+[H, I], each encoded by its format (formats/: one for both, or the down projection's own, as a
+GGUF Q4_K_M file keeps some layers' ffn_down in Q6_K), then their scales if the formats have any:
 
     [gate_up data | down data | gate_up scales | down scales]
 
@@ -53,10 +54,22 @@ class ExpertLayout:
     intermediate_size: int
     dtype: torch.dtype  # the compute dtype: activations, and what the weights decode to
     format: ExpertFormat | None = None  # None: Plain(dtype), the weights stored as they are computed
+    down_format: ExpertFormat | None = None  # the down projection's, where it differs; None: `format`
 
     def __post_init__(self) -> None:
         if self.format is None:
             object.__setattr__(self, "format", Plain(self.dtype))
+        if self.down_format is None or self.down_format == self.format:
+            object.__setattr__(self, "down_format", self.format)
+
+    def format_of(self, matrix: str) -> ExpertFormat:
+        """The format 'gate_up' or 'down' is encoded in."""
+        return self.down_format if matrix == "down" else self.format
+
+    @property
+    def formats(self) -> tuple[ExpertFormat, ...]:
+        """The distinct formats of the row: one, or gate_up's and down's."""
+        return (self.format,) if self.down_format == self.format else (self.format, self.down_format)
 
     def shape(self, matrix: str) -> tuple[int, int]:
         """[N, K] of a matrix: outputs, and the reduction dim its format encodes along."""
@@ -65,25 +78,27 @@ class ExpertLayout:
 
     @cached_property
     def sections(self) -> dict[str, Section]:
-        """'gate_up', 'down' and, if the format has scales, 'gate_up.scales', 'down.scales'."""
-        fmt, found, offset = self.format, {}, 0
-        sections = (("", fmt.data_dtype, lambda n: n, fmt.data_cols),
-                    (".scales", fmt.scale_dtype, fmt.scale_rows, fmt.scale_cols))
-        for suffix, dtype, rows, cols in sections:
-            if dtype is None:
-                continue
+        """'gate_up', 'down' and, where their formats have scales, 'gate_up.scales', 'down.scales'."""
+        found, offset = {}, 0
+        for scales in (False, True):
             for matrix in MATRICES:
-                n, k = self.shape(matrix)
+                fmt, (n, k) = self.format_of(matrix), self.shape(matrix)
+                dtype = fmt.scale_dtype if scales else fmt.data_dtype
+                if dtype is None:
+                    continue
                 fmt.check_shape(n // 2 if matrix == "gate_up" else n, k)  # gate and up are encoded apart
-                found[matrix + suffix] = Section(offset, rows(n), cols(k), dtype)
-                offset = _aligned(offset + found[matrix + suffix].nbytes)
+                section = (Section(offset, fmt.scale_rows(n), fmt.scale_cols(k), dtype) if scales
+                           else Section(offset, n, fmt.data_cols(k), dtype))
+                found[matrix + (".scales" if scales else "")] = section
+                offset = _aligned(offset + section.nbytes)
         return found
 
     @property
     def row_dtype(self) -> torch.dtype:
         """The element of a row: the data's own dtype when that is all there is (an unquantized row
         is a plain weight array), bytes otherwise."""
-        return self.format.data_dtype if self.format.scale_dtype is None else torch.uint8
+        dtypes = {s.dtype for s in self.sections.values()}
+        return dtypes.pop() if len(dtypes) == 1 else torch.uint8
 
     @property
     def nbytes(self) -> int:
@@ -99,8 +114,9 @@ class ExpertLayout:
         """rows [..., numel] -> the matrix [..., N, K] in the compute dtype: a view of the row when
         the format stores it as computed, decoded otherwise."""
         scales = self.sections.get(matrix + ".scales")
-        return self.format.decode(self.sections[matrix].view(rows), None if scales is None else scales.view(rows),
-                                  self.shape(matrix)[1], self.dtype)
+        return self.format_of(matrix).decode(self.sections[matrix].view(rows),
+                                             None if scales is None else scales.view(rows), self.shape(matrix)[1],
+                                             self.dtype)
 
     def gate_up(self, rows: torch.Tensor) -> torch.Tensor:
         """The fused gate+up projection, [..., 2I, H] (gate rows first)."""
@@ -118,17 +134,18 @@ class ExpertLayout:
         expected = (*self.sections[matrix].view(rows)[..., span, :].shape[:-1], self.shape(matrix)[1])
         if tuple(w.shape) != expected:
             raise ValueError(f"expert weight has shape {tuple(w.shape)}, expected {expected}")
-        self.write_encoded(rows, part, *self.format.encode(w))
+        self.write_encoded(rows, part, *self.format_of(matrix).encode(w))
 
     def write_encoded(self, rows: torch.Tensor, part: str, data: torch.Tensor, scales: torch.Tensor | None) -> None:
         """Store one part already encoded in the layout's format (a quantized checkpoint's experts,
         kept as published): data [..., rows of the part, data_cols], scales [..., scale rows, scale_cols]."""
         matrix, span = self._part(part)
+        fmt = self.format_of(matrix)
         targets = [(self.sections[matrix], span, data)]
-        if self.format.scale_dtype is not None:
+        if fmt.scale_dtype is not None:
             if scales is None:
-                raise ValueError(f"{self.format.name} experts need scales")
-            scale_span = slice(*(None if i is None else self.format.scale_rows(i) for i in (span.start, span.stop)))
+                raise ValueError(f"{fmt.name} experts need scales")
+            scale_span = slice(*(None if i is None else fmt.scale_rows(i) for i in (span.start, span.stop)))
             targets.append((self.sections[matrix + ".scales"], scale_span, scales))
         for section, rows_of_part, src in targets:
             dst = section.view(rows)[..., rows_of_part, :]
@@ -153,13 +170,21 @@ class ExpertLayout:
         found = self.sections.get(section)
         return 0 if found is None else found.offset // found.dtype.itemsize
 
-    def kernel_views(self, expert_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """expert_slots [S, numel] as the data's elements and as the scales' (the data view again
-        when there are none): two views of one allocation, which the kernels index with
+    def kernel_views(self, expert_slots: torch.Tensor, matrix: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """expert_slots [S, numel] as the elements of a matrix's data and of its scales (the data view
+        again when there are none): two views of one allocation, which the kernels index with
         element_offset."""
-        raw = expert_slots.view(torch.uint8)
-        data = raw.view(self.format.data_dtype)
-        return data, data if self.format.scale_dtype is None else raw.view(self.format.scale_dtype)
+        fmt, raw = self.format_of(matrix), expert_slots.view(torch.uint8)
+        data = raw.view(fmt.data_dtype)
+        return data, data if fmt.scale_dtype is None else raw.view(fmt.scale_dtype)
+
+    @property
+    def format_names(self) -> str:
+        """'q4_k', or gate/up's and down's: 'q4_k with down q6_k'."""
+        return " with down ".join(fmt.name for fmt in self.formats)
+
+    def describe_formats(self) -> str:
+        return "; down: ".join(fmt.describe() for fmt in self.formats)
 
     def describe(self) -> str:
-        return f"{self.format.describe()}, {self.nbytes} bytes per expert"
+        return f"{self.describe_formats()}, {self.nbytes} bytes per expert"

@@ -142,7 +142,8 @@ class CachedExpertRunner:
             raise ValueError(f"unknown prefetch mode {prefetch!r}; choose one of {', '.join(PREFETCH_MODES)}")
         if cpu_experts not in CPU_EXPERT_MODES:
             raise ValueError(f"unknown cpu-experts mode {cpu_experts!r}; choose one of {', '.join(CPU_EXPERT_MODES)}")
-        self.layout = store.layout
+        self.store = store
+        self._layouts = store.layouts  # per layer: how its experts' rows decode
         self._num_experts = store.num_experts
         self.top_k = top_k
         self.prefetch_depth = prefetch_depth
@@ -150,7 +151,7 @@ class CachedExpertRunner:
         self._mrs_top_p = eviction.top_p if isinstance(eviction, MRSPolicy) else None
         self.cache = ExpertCache(store, budget, eviction, device, top_k, copy_fn)
         self._num_layers = store.num_layers
-        self._stream_expert_slots = StreamExpertSlots.of(self.cache.capacity, self.layout.nbytes, store.num_layers,
+        self._stream_expert_slots = StreamExpertSlots.of(self.cache.capacity, store.row_nbytes, store.num_layers,
                                                          min_wave_bytes)
         self.prefetch_mode = prefetch
         self.stream_prefill = stream_prefill
@@ -184,7 +185,7 @@ class CachedExpertRunner:
         if self._capture is not None:  # nothing runs now, so nothing is counted
             return self._run_captured(x, routing)
         if self.graph_safe and (x.shape[0] == 1 or _capturing(x)
-                                or reads_expert_slots_in_place(x, self.cache.expert_slots, self.layout)):
+                                or reads_expert_slots_in_place(x, self.cache.expert_slots, self._layouts[routing.layer])):
             return self._run_resident(x, routing)
         layer = routing.layer
         self.cache.begin_run(layer)
@@ -244,7 +245,8 @@ class CachedExpertRunner:
         if not _capturing(x):
             self.cache.stats.add(routing.layer, hits=routing.expert_ids.numel())
         expert_slot_ids = self.cache.resident_expert_slots[routing.layer][routing.expert_ids]  # [T, k]
-        return gathered_experts(x, routing.expert_weights, self.cache.expert_slots, expert_slot_ids, self.layout)
+        return gathered_experts(x, routing.expert_weights, self.cache.expert_slots, expert_slot_ids,
+                                self._layouts[routing.layer])
 
     @property
     def replayable(self) -> bool:
@@ -305,7 +307,7 @@ class CachedExpertRunner:
         layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index, guess))
         split()
         weights = routing.expert_weights if routing.candidates is None else routing.reweighted(index[1])
-        return gathered_experts(x, weights, self.cache.expert_slots, index[0], self.layout)
+        return gathered_experts(x, weights, self.cache.expert_slots, index[0], self._layouts[routing.layer])
 
     def replay_layer(self, captured: CapturedLayer) -> None:
         """The host's part of a replayed step between the segment ending at `captured` and the next:
@@ -451,16 +453,16 @@ class CachedExpertRunner:
         # [2, k']: expert slot, position
         index = _to_device([[wave.expert_slots[ids[j]] for j in keep], keep], x.device)
         weights = routing.expert_weights if len(keep) == len(ids) else routing.expert_weights[:, index[1]]
-        return gathered_experts(x, weights, self.cache.expert_slots, index[:1], self.layout)
+        return gathered_experts(x, weights, self.cache.expert_slots, index[:1], self._layouts[routing.layer])
 
     def _compute(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, wave: Wave) -> None:
         ids, weights = routing.expert_ids, routing.expert_weights  # [T, k] each
         landed = wave.rows(landed=True)
         if landed:  # runs while the wave's copies are in flight
-            accumulate_experts(out, x, ids, weights, landed, self.layout)
+            accumulate_experts(out, x, ids, weights, landed, self._layouts[routing.layer])
         if not wave.pending:
             return
         self.cache.wait_pending(wave)
         # One call for all copied experts: each accumulate_experts call syncs the host twice
         # (~0.4 ms on H100), more than one expert's copy takes, so per-expert calls lose.
-        accumulate_experts(out, x, ids, weights, wave.rows(landed=False), self.layout)
+        accumulate_experts(out, x, ids, weights, wave.rows(landed=False), self._layouts[routing.layer])

@@ -6,6 +6,7 @@ whole. The replay tool fills the same counters from a trace.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 from moe_serve.engine.experts.expert_slots import Placement, WavePlan
@@ -56,8 +57,10 @@ class StatsSnapshot:
 
 
 class ExpertStats:
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, expert_bytes: Sequence[int] | None = None) -> None:
+        """expert_bytes: what one copy of an expert moves, per layer (None: 1, counting copies)."""
         self._layers = [LayerStats() for _ in range(num_layers)]
+        self._expert_bytes = list(expert_bytes) if expert_bytes is not None else [1] * num_layers
         self._lock = threading.Lock()
 
     def add(self, layer: int, **deltas: float) -> None:
@@ -70,18 +73,19 @@ class ExpertStats:
             for layer in range(len(self._layers)):
                 self._add(layer, deltas)
 
-    def add_wave(self, layer: int, plan: WavePlan, expert_bytes: int) -> None:
+    def add_wave(self, layer: int, plan: WavePlan) -> None:
         misses = len(plan.misses.placed)
         with self._lock:  # once per layer run: one lock, not one per counter
-            self._add(layer, {"hits": len(plan.hits), "misses": misses, "demand_bytes": misses * expert_bytes,
+            self._add(layer, {"hits": len(plan.hits), "misses": misses,
+                              "demand_bytes": misses * self._expert_bytes[layer],
                               "prefetch_used": plan.prefetch_used, "waves": 1})
             self._add_evictions(plan.misses)
 
-    def add_prefetch(self, placement: Placement, expert_bytes: int) -> None:
+    def add_prefetch(self, placement: Placement) -> None:
         """Booked to each key's own layer: one prefetch may span layers."""
         with self._lock:
             for (layer, _), _expert_slot in placement.placed:
-                self._add(layer, {"prefetch_bytes": expert_bytes})
+                self._add(layer, {"prefetch_bytes": self._expert_bytes[layer]})
             for layer, _ in placement.unplaced:
                 self._add(layer, {"prefetch_dropped": 1})
             self._add_evictions(placement)

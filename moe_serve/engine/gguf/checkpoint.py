@@ -3,11 +3,13 @@ parameters, and each tensor read from the memory-mapped file when the loader ask
 
 Routed experts (ffn_{gate,up,down}_exps, [E, N, K] with K along each row) stay in their GGML block
 type when an expert format keeps it (experts/formats/q8_0.py, k_quants.py): the rows of the file
-are the rows of our expert layout, copied as they are. The store holds one format, so the type
-holding most expert weights is it; expert tensors of another supported type (llama.cpp's Q4_K_M
-gives some layers' ffn_down_exps Q6_K) are dequantized and re-encoded in it, and said so in the
-log. F32/F16/BF16 experts load as float, to be stored as --expert-quant says. Any other expert
-type is refused at start-up by name. Every other tensor is dequantized by the gguf package.
+are the rows of our expert layout, copied as they are. Each MoE layer keeps its own gate/up and
+down types (llama.cpp's Q4_K_M gives some layers' ffn_down_exps Q6_K: ModelConfig's
+published_layer_formats, one expert layout per layer). Only what one layout cannot hold is
+dequantized and re-encoded, in the type holding most expert weights, and said so in the log: a
+layer whose gate and up differ, float experts beside block ones. Where most expert weights are
+F32/F16/BF16 they all load as float, to be stored as --expert-quant says. Any other expert type is
+refused at start-up by name. Every other tensor is dequantized by the gguf package.
 
 GGUF's llama (and so Mixtral) q and k rows are not Hugging Face's: llama.cpp rotates adjacent
 pairs of a head's dims where transformers rotates its two halves, and its converter reorders the
@@ -82,25 +84,34 @@ class GgufCheckpoint:
         self.path = path
         self.file = GgufFile(path)
         self._tensors = {name: t for name, t in self.file.tensors.items() if name not in _CONFIG_TENSORS}
-        counts = _expert_types([t for name, t in self._tensors.items() if name.endswith("_exps.weight")])
+        experts = {name: t for name, t in self._tensors.items() if name.endswith("_exps.weight")}
+        counts = _expert_types(list(experts.values()))
         expert_type = counts.most_common(1)[0][0] if counts else None  # the type of most expert weights
-        self._re_encoded = sorted(set(counts) - {expert_type})
-        # the type whose blocks the store keeps; None: float experts, encoded as --expert-quant says
+        config = ModelConfig.from_hf(hf_config(self.file))
+        # (layer, matrix) -> the GGML type its blocks are kept in: the file's, where one layout holds it
+        self._kept = _kept_types(experts, expert_type, config.moe_layers)
+        self._re_encoded = sorted({t.tensor_type.name for name, t in experts.items()
+                                   if self._kept.get(_expert_key(name), expert_type) != t.tensor_type.name})
         self.kept_type = expert_type if expert_type in EXPERT_BLOCK_FORMATS else None
         published = EXPERT_BLOCK_FORMATS.get(expert_type, "none")
-        self.config = replace(ModelConfig.from_hf(hf_config(self.file)), published_expert_format=published)
+        layer_formats = tuple(tuple(EXPERT_BLOCK_FORMATS[self._kept[layer, matrix]] for matrix in ("gate_up", "down"))
+                              for layer in config.moe_layers) if self._kept else ()
+        if all(pair == (published, published) for pair in layer_formats):
+            layer_formats = ()  # one layout for every layer
+        self.config = replace(config, published_expert_format=published, published_layer_formats=layer_formats)
         self._pairs_rotated = Metadata(self.file).architecture == "llama"
 
     def targets(self) -> list[TensorTarget]:
         if self._re_encoded:
-            log.warning("expert tensors of %s are re-encoded as %s, the type of most experts (the expert store keeps "
-                        "one format): not bit for bit", ", ".join(self._re_encoded), self.kept_type or "floats")
+            log.warning("expert tensors of %s are re-encoded as %s, the type of most experts (a layer's gate and up "
+                        "share one format, and float experts beside block ones take it): not bit for bit",
+                        ", ".join(self._re_encoded), self.kept_type or "floats")
         return map_names(list(self._tensors), self.path, self.rules)
 
     def tensors(self, targets: list[TensorTarget], bar: tqdm) -> Tensors:
         for target in targets:
             tensor = self._tensors[target.hf_name]
-            if target.is_expert and tensor.tensor_type.name == self.kept_type:
+            if target.is_expert and self._kept.get(_expert_key(target.hf_name)) == tensor.tensor_type.name:
                 yield target, EncodedWeight(torch.from_numpy(np.array(tensor.data)), None)  # [E, N, bytes]
             else:
                 yield target, self._dequantized(target, tensor)
@@ -132,6 +143,29 @@ def _expert_types(experts: list[GgufTensor]) -> Counter[str]:
                              f"{', '.join([*EXPERT_BLOCK_FORMATS, *_FLOAT_TYPES])}")
         counts[name] += tensor.n_elements
     return counts
+
+
+def _expert_key(name: str) -> tuple[int, str]:
+    """'blk.3.ffn_up_exps.weight' -> (3, 'gate_up'): the layer and the matrix of our layout it fills."""
+    _, layer, part = name.split(".")[:3]
+    return int(layer), "down" if part == "ffn_down_exps" else "gate_up"
+
+
+def _kept_types(experts: dict[str, GgufTensor], main: str | None, moe_layers: tuple[int, ...]) -> dict[tuple[int, str], str]:
+    """(layer, matrix) -> the GGML type whose blocks the store keeps; empty where the experts load as
+    float (most expert weights are). A matrix keeps its own block type; gate and up of different
+    types, or float experts, take the main type."""
+    if main not in EXPERT_BLOCK_FORMATS:
+        return {}
+    types: dict[tuple[int, str], set[str]] = {}
+    for name, tensor in experts.items():
+        types.setdefault(_expert_key(name), set()).add(tensor.tensor_type.name)
+    kept = {}
+    for layer in moe_layers:
+        for matrix in ("gate_up", "down"):
+            found = types.get((layer, matrix), set())
+            kept[layer, matrix] = found.pop() if len(found) == 1 and found <= set(EXPERT_BLOCK_FORMATS) else main
+    return kept
 
 
 def _halves_first(w: torch.Tensor, heads: int) -> torch.Tensor:

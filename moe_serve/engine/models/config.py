@@ -48,6 +48,9 @@ class ModelConfig:
     # the experts/formats/ name of the routed experts as a quantized checkpoint publishes them
     # (moe_serve/engine/quantized_checkpoints/); "none" for a float checkpoint
     published_expert_format: str = "none"
+    # per MoE layer, (gate/up's, down's) format names, where layers differ (a GGUF Q4_K_M file keeps
+    # some layers' ffn_down in Q6_K); empty: every layer's experts are published_expert_format
+    published_layer_formats: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORM_KINDS:
@@ -56,6 +59,9 @@ class ModelConfig:
             raise ValueError(f"attention_windows has {len(self.attention_windows)} entries for {self.num_layers} layers")
         if self.moe_layers and not (0 < self.top_k <= self.num_experts):
             raise ValueError(f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}")
+        if self.published_layer_formats and len(self.published_layer_formats) != len(self.moe_layers):
+            raise ValueError(f"published_layer_formats has {len(self.published_layer_formats)} entries for "
+                             f"{len(self.moe_layers)} MoE layers")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise ValueError("dense layers present but intermediate_size is 0")
 
@@ -109,3 +115,12 @@ class ModelConfig:
                              f"again; leave it unset")
         name = quant if published == "none" else published
         return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(name, dtype))
+
+    def expert_layouts(self, dtype: torch.dtype, quant: str = "none") -> list[ExpertLayout]:
+        """Each MoE layer's expert_layout, or, where the checkpoint publishes layers in different
+        formats, each layer's own."""
+        if not self.published_layer_formats:
+            return [self.expert_layout(dtype, quant)] * self.num_moe_layers
+        self.expert_layout(dtype, quant)  # the same refusal of --expert-quant
+        return [ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(gate_up, dtype),
+                             expert_format(down, dtype)) for gate_up, down in self.published_layer_formats]

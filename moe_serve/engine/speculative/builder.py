@@ -40,8 +40,8 @@ def _self_decoder(spec: SpecConfig, target: BoundModel, runner: CachedExpertRunn
     if not _prefetching(runner):
         return SelfSpecDecoder(target, spec, stats=stats)
     profile = SpecProfile(profile_drafting(Drafter(target, moe_top_r=spec.top_r), cfg.num_layers),
-                          profile_expert_load(runner.layout.nbytes, target.device))
-    cutoff = plan_cutoff(spec, cfg, cfg.num_layers, cfg.top_k - spec.top_r, runner.layout.nbytes,
+                          profile_expert_load(runner.store.row_nbytes, target.device))
+    cutoff = plan_cutoff(spec, cfg, cfg.num_layers, cfg.top_k - spec.top_r, runner.store.row_nbytes,
                          runner.cache.capacity, profile)
     log.info("SS-MoE self-draft: top-r=%d, prefetching the k-r extra experts of MoE layers < %d; profile %s",
              spec.top_r, cutoff, profile)
@@ -53,7 +53,7 @@ def _draft_decoder(spec: SpecConfig, target: BoundModel, draft: BoundModel, runn
     cfg, depth = target.model.config, draft.model.config.num_layers
     if not _prefetching(runner):
         return DraftSpecDecoder(target, draft, spec, stats=stats)
-    profile = SpecProfile(profile_drafting(Drafter(draft), depth), profile_expert_load(runner.layout.nbytes, draft.device))
-    cutoff = plan_cutoff(spec, cfg, depth, cfg.top_k, runner.layout.nbytes, runner.cache.capacity, profile)
+    profile = SpecProfile(profile_drafting(Drafter(draft), depth), profile_expert_load(runner.store.row_nbytes, draft.device))
+    cutoff = plan_cutoff(spec, cfg, depth, cfg.top_k, runner.store.row_nbytes, runner.cache.capacity, profile)
     log.info("SP-MoE draft: cross-model prefetch for target MoE layers < %d; profile %s", cutoff, profile)
     return DraftSpecDecoder(target, draft, spec, runner.cache, cutoff, stats)

@@ -1,4 +1,4 @@
-"""Random experts encoded into cache-slot rows of any format, for the kernel tests; test shapes
+"""Random experts encoded into cache-slot rows of any format (or two), for the kernel tests; test shapes
 grown to a block format's whole blocks; the exact reference the GPU kernels are held to."""
 from __future__ import annotations
 
@@ -8,6 +8,16 @@ import torch
 
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
+
+
+# a layout whose down projection has another format than gate/up ("gate_up+down" in the quant
+# arguments below): int4's tile dot on one matrix, q8_0's loads (no scales) on the other
+MIXED_FORMATS = ["int4+q8_0"]
+
+
+def quant_layout(h: int, i: int, dtype: torch.dtype, quant: str) -> ExpertLayout:
+    """The layout of a test's `quant`: a format name, or 'gate_up+down' names."""
+    return ExpertLayout(h, i, dtype, *(expert_format(name, dtype) for name in quant.split("+")))
 
 
 def random_slots(layout: ExpertLayout, num_slots: int, gen: torch.Generator) -> torch.Tensor:
@@ -30,8 +40,8 @@ def interpreted_formats() -> list[str]:
 def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ...]]:
     """(H, I, ...) cases with H and I rounded up to the format's whole blocks (both are a row count
     and a reduction dim, of gate_up and down)."""
-    fmt = expert_format(quant, torch.float32)
-    step = math.lcm(fmt.row_multiple, fmt.col_multiple)
+    formats = [expert_format(name, torch.float32) for name in quant.split("+")]
+    step = math.lcm(*(m for fmt in formats for m in (fmt.row_multiple, fmt.col_multiple)))
     return [(-(-h // step) * step, -(-i // step) * step, *rest) for h, i, *rest in cases]
 
 
@@ -40,7 +50,7 @@ def decoded_reference(layout: ExpertLayout, slots: torch.Tensor, multiplied: tor
     where tl.dot takes them, fp32 where a GEMV multiplies in registers): fp32 math over them is what
     the kernel must match up to its fp32 accumulation."""
     exact = ExpertLayout(layout.hidden_size, layout.intermediate_size, torch.float32)
-    decode = ExpertLayout(layout.hidden_size, layout.intermediate_size, multiplied, layout.format)
+    decode = ExpertLayout(layout.hidden_size, layout.intermediate_size, multiplied, layout.format, layout.down_format)
     rows = torch.empty(len(slots), exact.numel, device=slots.device)
     for matrix in ("gate_up", "down"):
         exact.write(rows, matrix, decode.weights(slots, matrix).float())

@@ -9,8 +9,12 @@ from runner_harness import drive, router_weights
 
 from moe_serve.engine.config import EngineConfig
 from moe_serve.engine.experts.cache import copy_row
+from moe_serve.engine.experts.compute import accumulate_experts
+from moe_serve.engine.experts.formats import expert_format
+from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.runner import CachedExpertRunner, layer_scores
+from moe_serve.engine.experts.store import ExpertStore
 
 TOP_K = 2
 
@@ -212,3 +216,32 @@ def test_recording_collects_each_layers_experts_on_the_eager_path(store, make_ro
     finally:
         runner.close()
     assert used == {r.layer: set(r.expert_ids.reshape(-1).tolist()) for r in routings[1:]}
+
+
+def test_each_layer_computes_in_its_own_layout(make_routing) -> None:
+    """A store whose layer 1 keeps its down projection in another format (as a GGUF Q4_K_M file's
+    Q6_K ffn_down): expert slots as long as the largest row, each copy moving its layer's own bytes,
+    each layer decoded in its own layout, as the store's rows give."""
+    h, i, e = 32, 32, 6
+    q8_0, int8 = (expert_format(name, torch.float32) for name in ("q8_0", "int8"))
+    layouts = [ExpertLayout(h, i, torch.float32, q8_0), ExpertLayout(h, i, torch.float32, q8_0, int8)]
+    store = ExpertStore(2, e, layouts)
+    gen = torch.Generator().manual_seed(5)
+    for layer in range(2):
+        store.put_fused(layer, gate_up=torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
+                        down=torch.randn(e, h, i, generator=gen) / i**0.5)
+    assert store.row_nbytes == layouts[1].nbytes > layouts[0].nbytes
+    runner = CachedExpertRunner(store, 3 * store.row_nbytes, "lru", "cpu", top_k=TOP_K)
+    try:
+        for _ in range(3):
+            for layer in range(2):
+                x = torch.randn(3, h, generator=gen)
+                routing = make_routing(layer, 3, e, TOP_K, gen)
+                want = torch.zeros_like(x)
+                accumulate_experts(want, x, routing.expert_ids, routing.expert_weights,
+                                   {j: store.row(layer, j) for j in range(e)}, layouts[layer])
+                torch.testing.assert_close(runner.run(x, routing), want, rtol=1e-6, atol=1e-6)
+    finally:
+        runner.close()
+    per_layer = runner.stats().per_layer
+    assert all(s.misses and s.demand_bytes == s.misses * layout.nbytes for s, layout in zip(per_layer, layouts))

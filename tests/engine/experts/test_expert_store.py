@@ -1,9 +1,10 @@
-"""ExpertStore: per-part and fused puts both produce ExpertLayout's packed rows."""
+"""ExpertStore: per-part and fused puts both produce ExpertLayout's packed rows; layers may differ in layout."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from moe_serve.engine.experts.formats import expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.experts.store import ExpertStore
 
@@ -45,3 +46,25 @@ def test_misshaped_weight_is_refused() -> None:
         store.put(0, 0, gate=torch.zeros(H, I))
     with pytest.raises(ValueError, match="shape"):
         store.put_fused(0, down=torch.zeros(E, I, H))
+
+
+def test_layers_of_different_layouts_share_one_row_length() -> None:
+    """Layer 1's down projection in another format: the store's rows are as long as the largest
+    layer's, row() is each layer's own bytes, writes take the layer's layout, and `layout` (the one
+    every layer shares) names the difference."""
+    q8_0, int8 = (expert_format(name, torch.float32) for name in ("q8_0", "int8"))
+    layouts = [ExpertLayout(32, 32, torch.float32, q8_0), ExpertLayout(32, 32, torch.float32, q8_0, int8)]
+    store = ExpertStore(2, E, layouts)
+    assert store.row_numel == layouts[1].numel > layouts[0].numel and store.row_dtype == torch.uint8
+    assert [store.row(layer, 0).numel() for layer in (0, 1)] == [layouts[0].numel, layouts[1].numel]
+    down = torch.randn(32, 32)
+    for layer in (0, 1):
+        store.put(layer, 1, down=down)
+        fmt = layouts[layer].down_format
+        torch.testing.assert_close(layouts[layer].down(store.row(layer, 1)),
+                                   fmt.decode(*fmt.encode(down), 32, torch.float32), rtol=0, atol=0)
+    assert store.format_name == "q8_0+int8"
+    with pytest.raises(ValueError, match="different layouts: q8_0 .*layers 0.*q8_0 with down int8 \\(layers 1\\)"):
+        store.layout
+    with pytest.raises(ValueError, match="differ in element type"):
+        ExpertStore(2, E, [layouts[0], ExpertLayout(32, 32, torch.float32)])

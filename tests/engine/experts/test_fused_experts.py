@@ -19,17 +19,18 @@ from moe_serve.engine.experts.compute import (
     gathered_experts,
     gathered_experts_torch,
 )
-from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
+from moe_serve.engine.experts.formats import FORMAT_NAMES
 from moe_serve.engine.experts.fused_experts import (
     FusedConfig,
     fused_experts,
     fused_experts_available,
 )
-from moe_serve.engine.experts.layout import ExpertLayout
 from tests.engine.experts.slot_rows import (
+    MIXED_FORMATS,
     decoded_reference,
     fitted_cases,
     interpreted_formats,
+    quant_layout,
     random_slots,
 )
 from tests.triton_interpreter import needs_triton, run_interpreted
@@ -46,7 +47,7 @@ CUDA_CASES = [(256, 128, 1, 8), (256, 128, 3, 8), (200, 72, 4, 2), (2048, 1024, 
 
 def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none"):
     gen = torch.Generator().manual_seed(seed)
-    layout = ExpertLayout(hidden_size=h, intermediate_size=i, dtype=dtype, format=expert_format(quant, dtype))
+    layout = quant_layout(h, i, dtype, quant)
     slots = random_slots(layout, 5, gen)  # [S, numel]
     x = torch.randn(t, h, generator=gen)  # [T, H]
     ids = torch.randint(0, 5, (t, k), generator=gen)  # [T, k]
@@ -78,7 +79,7 @@ def test_interpreter_matches_torch_path():
 
 
 @needs_triton
-@pytest.mark.parametrize("quant", interpreted_formats())
+@pytest.mark.parametrize("quant", interpreted_formats() + MIXED_FORMATS)
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
     run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
 
@@ -91,7 +92,7 @@ def test_not_available_on_cpu():
 
 
 @needs_cuda
-@pytest.mark.parametrize("quant", FORMAT_NAMES)
+@pytest.mark.parametrize("quant", [*FORMAT_NAMES, *MIXED_FORMATS, "q4_k+q6_k"])
 @pytest.mark.parametrize("h,i,t,k", CUDA_CASES)
 def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)

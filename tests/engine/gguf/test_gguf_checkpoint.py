@@ -41,7 +41,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _pair(root: Path, family: str, expert_type: str | None, weight_type: str, sizes: dict,
           **kwargs) -> tuple[Path, Path]:
     """The files of these settings, written once per module."""
-    dst = root / "-".join([family, str(expert_type), weight_type, *kwargs.get("types", {}).values()])
+    dst = root / "-".join([family, str(expert_type), weight_type, *(f"{name}={t}" for name, t in kwargs.get("types", {}).items())])
     if dst.exists():
         return dst / "model.gguf", dst / "reference"
     return gguf_pair(family, dst, expert_type=expert_type or "F32", weight_type=weight_type, **sizes, **kwargs)
@@ -61,30 +61,56 @@ def test_logits_equal_the_dequantized_reference(root: Path, family, expert_type,
 
 def test_expert_rows_hold_the_files_bytes(root: Path) -> None:
     gguf_file, _ = _pair(root, "qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256)
-    loaded = load(gguf_file)
+    _assert_rows_hold_the_files_bytes(load(gguf_file), gguf_file)
+
+
+def _assert_rows_hold_the_files_bytes(loaded, gguf_file: Path, expert: int = 4) -> None:
     tensors = {t.name: t.data for t in GGUFReader(gguf_file).tensors}
-    layout, expert = loaded.store.layout, 4
     for moe, layer in enumerate(loaded.config.moe_layers):
-        row = loaded.store.row(moe, expert)
+        layout, row = loaded.store.layout_of(moe), loaded.store.row(moe, expert)
         gate_up = np.concatenate([tensors[f"blk.{layer}.ffn_{part}_exps.weight"][expert] for part in ("gate", "up")])
         np.testing.assert_array_equal(layout.sections["gate_up"].view(row).numpy(), gate_up)
         np.testing.assert_array_equal(layout.sections["down"].view(row).numpy(),
                                       tensors[f"blk.{layer}.ffn_down_exps.weight"][expert])
 
 
-def test_experts_of_a_second_type_are_re_encoded_in_the_first(root: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Q4_K_M files give some layers' ffn_down_exps Q6_K: the store keeps the type of most experts."""
+def test_each_layer_keeps_its_own_expert_types(root: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Q4_K_M files give some layers' ffn_down_exps Q6_K: those layers get their own layout, every
+    expert row holds the file's bytes, and the model is the dequantized reference's."""
     odd_one = "blk.3.ffn_down_exps.weight"
     gguf_file, reference_path = _pair(root, "qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256, types={odd_one: "Q6_K"})
     with caplog.at_level(logging.WARNING, logger="moe_serve.engine.gguf.checkpoint"):
         loaded = load(gguf_file)
+    assert "re-encoded" not in caplog.text
+    config, store = loaded.config, loaded.store
+    assert config.published_layer_formats == tuple(("q4_k", "q6_k" if layer == 3 else "q4_k")
+                                                   for layer in config.moe_layers)
+    assert store.format_name == "q4_k+q6_k"
+    odd = config.moe_layers.index(3)
+    assert store.describe_formats() == (f"q4_k (layers {', '.join(str(m) for m in range(config.num_moe_layers) if m != odd)}), "
+                                        f"q4_k with down q6_k (layers {odd})")
+    # an expert slot holds the largest row; a row is its layer's own bytes, so a copy moves no padding
+    sizes = {moe: store.layout_of(moe).nbytes for moe in range(config.num_moe_layers)}
+    assert store.row_nbytes == sizes[odd] > max(n for moe, n in sizes.items() if moe != odd)
+    assert all(store.row(moe, 0).numel() == n for moe, n in sizes.items())
+    _assert_rows_hold_the_files_bytes(loaded, gguf_file)
+    assert_same_model(loaded, load(reference_path))
+
+
+def test_gate_and_up_of_different_types_are_re_encoded_in_the_main_type(root: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A layer's gate and up share one matrix of the layout: an up of another type takes the type of
+    most experts, and the log says so."""
+    odd_one = "blk.3.ffn_up_exps.weight"
+    gguf_file, reference_path = _pair(root, "qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256, types={odd_one: "Q6_K"})
+    with caplog.at_level(logging.WARNING, logger="moe_serve.engine.gguf.checkpoint"):
+        loaded = load(gguf_file)
     assert "expert tensors of Q6_K are re-encoded as Q4_K" in caplog.text
+    assert loaded.config.published_layer_formats == () and loaded.store.layout.format.name == "q4_k"
     reference = load(reference_path)
-    layout = loaded.store.layout
-    assert layout.format.name == "q4_k"
-    for moe in range(loaded.config.num_moe_layers):
-        got, want = layout.down(loaded.store.rows[moe]), reference.store.layout.down(reference.store.rows[moe])
-        if loaded.config.moe_layers[moe] == 3:
+    for moe, layer in enumerate(loaded.config.moe_layers):
+        got, want = (m.store.layout.gate_up(m.store.rows[moe]) for m in (loaded, reference))
+        if layer == 3:
             assert 0 < (got - want).norm() / want.norm() < 0.09  # Q6_K's weights, rounded again to Q4_K
         else:
             assert torch.equal(got, want)
