@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moe_serve.engine.cli_flags import ENV_HELP, DefaultsHelpFormatter, env_argv, fraction, positive_int
 from moe_serve.engine.config import ConfigError, EngineConfig
-from moe_serve.engine.experts.formats import FORMAT_NAMES
+from moe_serve.engine.experts.formats import EXPERT_QUANT_NAMES
 from moe_serve.engine.experts.policies import POLICY_NAMES
 from moe_serve.engine.logging_config import LOG_FORMATS, LOG_LEVELS, LogSettings
 from moe_serve.engine.messages import GenerateRequest, SamplingParams
@@ -43,9 +43,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-experts", default="off", choices=["off", "auto"],
                         help="auto: compute a missed expert on the CPU when a start-up profile says that beats "
                              "copying it to the GPU")
-    parser.add_argument("--expert-quant", default=EngineConfig.expert_quant, choices=FORMAT_NAMES,
+    parser.add_argument("--expert-quant", default=EngineConfig.expert_quant, choices=EXPERT_QUANT_NAMES,
                         help="quantize the routed experts at load (int8 per channel, int4 in groups of 128, fp8 e4m3 "
-                             "per channel, or a format quantized checkpoints and GGUF files publish): they are stored, "
+                             "per channel, a format quantized checkpoints and GGUF files publish, or llama.cpp's "
+                             "q4_k_m / q5_k_m mix of them by layer): they are stored, "
                              "copied over PCIe and read by the kernels quantized; other weights keep --dtype. A "
                              "quantized checkpoint's experts keep their own format")
     parser.add_argument("--max-model-len", type=positive_int, default=None,

@@ -26,6 +26,7 @@ from moe_serve.engine.cli import DEFAULT_MODEL
 from moe_serve.engine.config import EngineConfig
 from moe_serve.engine.core import EngineCore, run_to_completion
 from moe_serve.engine.experts.formats import expert_format
+from moe_serve.engine.experts.formats.mixes import MIXES, mix_formats
 from moe_serve.engine.messages import GenerateRequest, SamplingParams
 from tests.tiny_checkpoints import build_tiny_checkpoint
 
@@ -34,6 +35,7 @@ PROMPT = (3, 17, 42, 5, 99, 7, 12, 64)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 NEW_TOKENS = 16
 _EXPERT_WEIGHT = re.compile(r"\.experts\.\d+\.\w+\.weight$")
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 CODE = 'import os\n\n\ndef read_lines(path):\n    """Return the lines of a text file."""\n'
 
 
@@ -61,12 +63,16 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def _dequantized_copy(path: Path, quant: str, dest: Path) -> Path:
-    """The checkpoint with every routed expert weight w replaced by decode(encode(w)) in fp32."""
+    """The checkpoint with every routed expert weight w replaced by decode(encode(w)) in fp32, in the
+    format `quant` gives its layer and matrix (a mix: formats/mixes.py)."""
     shutil.copytree(path, dest)
-    fmt = expert_format(quant, torch.float32)
     tensors = load_file(dest / "model.safetensors")
+    num_layers = 1 + max(int(m[1]) for name in tensors if (m := _LAYER.search(name)))
     for name, w in tensors.items():
         if _EXPERT_WEIGHT.search(name):
+            layer, down = int(_LAYER.search(name)[1]), name.endswith(".w2.weight")  # Mixtral's w2: the down projection
+            names = mix_formats(quant, layer, num_layers) if quant in MIXES else (quant, quant)
+            fmt = expert_format(names[down], torch.float32)
             tensors[name] = fmt.decode(*fmt.encode(w), w.shape[-1], torch.float32)
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
     return dest
@@ -86,6 +92,20 @@ def test_engine_computes_exactly_the_formats_dequantization(tiny, tmp_path, quan
     assert stats["expert_format"] == quant and described["expert_format"].startswith(quant)
     assert stats["pcie_bytes"] * plain_stats["expert_bytes"] == plain_stats["pcie_bytes"] * stats["expert_bytes"]
     assert stats["expert_bytes"] / plain_stats["expert_bytes"] < {"int8": 0.28, "int4": 0.14}[quant]
+
+
+def test_a_k_quant_mix_gives_the_sensitive_layers_down_projection_more_bits(tmp_path):
+    """--expert-quant q4_k_m: llama.cpp's Q4_K_M mix of the experts. In 3 layers its rule gives the
+    last one's down projection Q6_K: that layer's experts are larger, the others Q4_K, and the engine
+    computes exactly each layer's own dequantization."""
+    tiny = build_tiny_checkpoint("mixtral", tmp_path / "mixtral", hidden_size=256, intermediate_size=256)
+    tokens, logits, stats, described = _run(str(tiny), "q4_k_m", PROMPT, NEW_TOKENS)
+    plain_tokens, plain_logits, _, _ = _run(str(_dequantized_copy(tiny, "q4_k_m", tmp_path / "mix")), "none",
+                                            PROMPT, NEW_TOKENS)
+    assert tokens == plain_tokens
+    torch.testing.assert_close(logits, plain_logits, rtol=1e-4, atol=1e-4)
+    assert stats["expert_format"] == "q4_k+q6_k"
+    assert described["expert_format"] == "q4_k (layers 0, 1), q4_k with down q6_k (layers 2)"
 
 
 @functools.cache
@@ -123,5 +143,6 @@ def test_flag_reaches_the_engine_config_from_both_commands_and_yaml(tmp_path):
     config.write_text("expert-quant: fp8\n")
     assert engine_config_from_args(serve_args(["--config", str(config)])).expert_quant == "fp8"
     assert engine_config_from_args(serve_args([])).expert_quant == "none"
+    assert engine_config_from_args(serve_args(["--expert-quant", "q4_k_m"])).expert_quant == "q4_k_m"
     with pytest.raises(SystemExit):
         serve_args(["--expert-quant", "nf4"])

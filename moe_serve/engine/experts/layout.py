@@ -59,17 +59,17 @@ class ExpertLayout:
     def __post_init__(self) -> None:
         if self.format is None:
             object.__setattr__(self, "format", Plain(self.dtype))
-        if self.down_format is None or self.down_format == self.format:
-            object.__setattr__(self, "down_format", self.format)
+        if self.down_format == self.format:  # one spelling of a layout: replace(layout, format=...) changes both
+            object.__setattr__(self, "down_format", None)
 
     def format_of(self, matrix: str) -> ExpertFormat:
         """The format 'gate_up' or 'down' is encoded in."""
-        return self.down_format if matrix == "down" else self.format
+        return self.down_format if matrix == "down" and self.down_format is not None else self.format
 
     @property
     def formats(self) -> tuple[ExpertFormat, ...]:
         """The distinct formats of the row: one, or gate_up's and down's."""
-        return (self.format,) if self.down_format == self.format else (self.format, self.down_format)
+        return (self.format,) if self.down_format is None else (self.format, self.down_format)
 
     def shape(self, matrix: str) -> tuple[int, int]:
         """[N, K] of a matrix: outputs, and the reduction dim its format encodes along."""

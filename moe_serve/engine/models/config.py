@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from moe_serve.engine.experts.formats import expert_format
+from moe_serve.engine.experts.formats.mixes import MIXES, mix_formats
 from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.models.registry import family_for
 from moe_serve.engine.quantized_checkpoints import checkpoint_quant
@@ -117,10 +118,16 @@ class ModelConfig:
         return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(name, dtype))
 
     def expert_layouts(self, dtype: torch.dtype, quant: str = "none") -> list[ExpertLayout]:
-        """Each MoE layer's expert_layout, or, where the checkpoint publishes layers in different
-        formats, each layer's own."""
-        if not self.published_layer_formats:
+        """Each MoE layer's expert layout: expert_layout's, or each layer's own where the checkpoint
+        publishes layers in different formats or `quant` is a mix of formats (formats/mixes.py)."""
+        if quant in MIXES:
+            if self.published_expert_format != "none":
+                self.expert_layout(dtype, quant)  # refused: the checkpoint's experts are quantized already
+            layer_formats = [mix_formats(quant, layer, self.num_layers) for layer in self.moe_layers]
+        elif self.published_layer_formats:
+            self.expert_layout(dtype, quant)  # the same refusal of --expert-quant
+            layer_formats = list(self.published_layer_formats)
+        else:
             return [self.expert_layout(dtype, quant)] * self.num_moe_layers
-        self.expert_layout(dtype, quant)  # the same refusal of --expert-quant
         return [ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(gate_up, dtype),
-                             expert_format(down, dtype)) for gate_up, down in self.published_layer_formats]
+                             expert_format(down, dtype)) for gate_up, down in layer_formats]

@@ -60,7 +60,7 @@ def test_layers_of_different_layouts_share_one_row_length() -> None:
     down = torch.randn(32, 32)
     for layer in (0, 1):
         store.put(layer, 1, down=down)
-        fmt = layouts[layer].down_format
+        fmt = layouts[layer].format_of("down")
         torch.testing.assert_close(layouts[layer].down(store.row(layer, 1)),
                                    fmt.decode(*fmt.encode(down), 32, torch.float32), rtol=0, atol=0)
     assert store.format_name == "q8_0+int8"

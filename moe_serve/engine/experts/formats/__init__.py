@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from moe_serve.engine.experts.formats.mixes import MIXES
+
 if TYPE_CHECKING:
     import torch
 
@@ -19,6 +21,8 @@ _REGISTRY = {"none": "plain:Plain", "int8": "int8:Int8", "int4": "int4:Int4", "f
              "int4-zp-g128": "int4_zp:Int4ZeroPointG128",
              "q8_0": "q8_0:Q8_0", "q4_k": "k_quants:Q4_K", "q5_k": "k_quants:Q5_K", "q6_k": "k_quants:Q6_K"}  # name -> module:class
 FORMAT_NAMES = tuple(_REGISTRY)
+# --expert-quant's values: a format, or a mix of formats by layer (mixes.py)
+EXPERT_QUANT_NAMES = (*FORMAT_NAMES, *MIXES)
 
 
 def expert_format(name: str, dtype: torch.dtype) -> ExpertFormat:
