@@ -33,8 +33,14 @@ def interpreted_formats() -> list[str]:
     """The quantized formats whose whole kernels the Triton interpreter runs on CPU: blocks of at
     most 32 weights. Larger blocks grow the cases to 256 x 256, minutes each in the interpreter; their
     loads are checked tile by tile in formats/test_triton_loads.py, their kernels on the GPU."""
-    formats = [(name, expert_format(name, torch.float32)) for name in FORMAT_NAMES if name != "none"]
+    formats = [(name, expert_format(name, torch.float32)) for name in FORMAT_NAMES if name not in ("none", *_SHARED_LOADS)]
     return [name for name, fmt in formats if max(fmt.row_multiple, fmt.col_multiple) <= 32]
+
+
+# GGUF's first four types share one load (legacy_quants._load_legacy, switched by constants): q5_1,
+# which has both the min and the fifth bit, stands for them in the whole kernels; the loads of all
+# four are checked tile by tile in formats/test_triton_loads.py
+_SHARED_LOADS = ("q4_0", "q4_1", "q5_0")
 
 
 def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ...]]:

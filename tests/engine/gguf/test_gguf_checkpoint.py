@@ -24,6 +24,8 @@ LLAMA3 = dict(max_position_embeddings=2048, rope_parameters=dict(
 # family, expert type, other matrices' type, sizes; each family brings its quirks (tiny_checkpoints.py)
 CASES = [
     ("mixtral", "Q8_0", "Q8_0", {}),  # GGUF's llama with experts: q/k rows reordered
+    ("mixtral", "Q4_0", "Q8_0", {}),  # the types of older files: symmetric 4-bit
+    ("mixtral", "Q5_1", "Q8_0", {}),  # a min and a fifth bit
     ("qwen2_moe", "Q5_K", "Q8_0", BLOCKS_OF_256),  # shared expert and its gate, a dense layer, q/k/v biases
     ("qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256),  # dense layers between MoE ones, per-head q/k norm, tied
     ("olmoe", "Q6_K", "F16", dict(hidden_size=256, intermediate_size=256)),  # full q/k norm, clip_qkv
@@ -47,7 +49,7 @@ def _pair(root: Path, family: str, expert_type: str | None, weight_type: str, si
     return gguf_pair(family, dst, expert_type=expert_type or "F32", weight_type=weight_type, **sizes, **kwargs)
 
 
-@pytest.mark.parametrize("family,expert_type,weight_type,sizes", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("family,expert_type,weight_type,sizes", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_logits_equal_the_dequantized_reference(root: Path, family, expert_type, weight_type, sizes) -> None:
     gguf_file, reference_path = _pair(root, family, expert_type, weight_type, sizes)
     loaded, reference = load(gguf_file), load(reference_path)
@@ -125,10 +127,11 @@ def test_float_experts_load_plain_or_as_expert_quant_says(root: Path) -> None:
 
 
 def test_an_expert_type_no_format_keeps_is_refused_by_name(root: Path) -> None:
-    gguf_file, _ = _pair(root, "mixtral", "Q4_0", "F32", {})
-    with pytest.raises(ValueError, match="Q4_0 experts are not supported .*supported: Q8_0, Q4_K, Q5_K, Q6_K"):
+    gguf_file, _ = _pair(root, "qwen3_moe", "TQ2_0", "F32", BLOCKS_OF_256)
+    with pytest.raises(ValueError, match="TQ2_0 experts are not supported .*supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                         "Q4_K, Q5_K, Q6_K"):
         read_config(gguf_file)
-    with pytest.raises(ConfigError, match=f"--model {gguf_file}: Q4_0 experts are not supported"):
+    with pytest.raises(ConfigError, match=f"--model {gguf_file}: TQ2_0 experts are not supported"):
         check_model_dir(str(gguf_file), "--model")
 
 

@@ -1,0 +1,191 @@
+"""GGUF's first block types (Q4_0, Q4_1, Q5_0, Q5_1; --expert-quant q4_0, q4_1, q5_0, q5_1): blocks
+of 32 weights along K, each with an fp16 scale d. Older GGUF files (many a Mixtral Q4_0 or Q5_0)
+and llama-quantize's "pure" 4-bit types hold the experts in them. One file because the four differ
+only in a min and a fifth bit.
+
+A block is d (fp16), then for Q4_1 / Q5_1 the min m (fp16), then for Q5_0 / Q5_1 four bytes qh
+(bit p of the little-endian 32-bit word is weight p's fifth bit), then 16 bytes qs: byte j holds
+weight j in its low nibble and weight j + 16 in its high one. Q4_0 and Q5_0 are symmetric, w =
+d * (q - 8) and d * (q - 16); Q4_1 and Q5_1 w = d * q + m. 18, 20, 22 and 24 bytes per 32 weights:
+4.5, 5, 5.5 and 6 bits per weight.
+
+Decoding is llama.cpp's, and so is encoding (the tests hold both to the gguf package's, bit for
+bit): symmetric types take d = (the weight of largest magnitude, its sign kept) / -8 (-16), codes
+trunc(w / d + 8.5) (16.5) capped at 15 (31); the others d = (max - min) / 15 (31), m = min, codes
+trunc((w - min) / d + 0.5), all in fp32 with 1 / d as the multiplier. llama-quantize writes the
+same bytes, so --expert-quant q4_0 stores what it would.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from moe_serve.engine.experts.formats.ggml_block import (
+    GgmlBlockFormat,
+    fp16_bytes,
+    fp16_field,
+    nibbles,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
+BLOCK = 32  # also written in the load below
+
+
+class _LegacyBlock(GgmlBlockFormat):
+    """One of the four: `bits` 4 or 5, `with_min` whether it stores m (and is not symmetric)."""
+
+    bits: ClassVar[int]
+    with_min: ClassVar[bool]
+    block: ClassVar[int] = BLOCK
+    col_multiple: ClassVar[int] = BLOCK
+
+    @classmethod
+    def qh_at(cls) -> int:
+        return 4 if cls.with_min else 2
+
+    @classmethod
+    def qs_at(cls) -> int:
+        return cls.qh_at() + (4 if cls.bits == 5 else 0)
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        levels = 2**self.bits
+        if self.with_min:
+            low = w.amin(-1, keepdim=True)  # [..., 1]
+            d = (w.amax(-1, keepdim=True) - low) / (levels - 1)
+            inverse = torch.where(d == 0, 0.0, 1 / d)
+            q = ((w - low) * inverse + 0.5).trunc()
+        else:
+            largest = w.gather(-1, w.abs().argmax(-1, keepdim=True))  # [..., 1] the first of largest magnitude
+            d = largest / -(levels // 2)
+            inverse = torch.where(d == 0, 0.0, 1 / d)
+            q = (w * inverse + (levels // 2 + 0.5)).trunc()
+        q = q.clamp_(0, levels - 1).to(torch.uint8)  # [..., 32]
+        fields = [fp16_bytes(d[..., 0])] + ([fp16_bytes(low[..., 0])] if self.with_min else [])
+        if self.bits == 5:
+            high = (q >> 4).unflatten(-1, (4, 8)).to(torch.int32)  # [..., byte, bit]
+            fields.append((high << torch.arange(8, device=w.device)).sum(-1).to(torch.uint8))  # qh [..., 4]
+        fields.append(nibbles(q[..., :16], q[..., 16:]))  # qs [..., 16]
+        return torch.cat(fields, dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        qs = blocks[..., self.qs_at():self.qs_at() + 16].to(torch.int32)  # [..., 16]
+        q = torch.cat((qs & 15, qs >> 4), dim=-1)  # [..., 32]
+        if self.bits == 5:
+            qh = blocks[..., self.qh_at():self.qh_at() + 4].to(torch.int32)  # [..., 4]
+            q = q | ((qh[..., None] >> torch.arange(8, device=qh.device) & 1) << 4).flatten(-2)
+        d = fp16_field(blocks, 0)[..., None]
+        if self.with_min:
+            return d * q.float() + fp16_field(blocks, 2)[..., None]
+        return d * (q - 2 ** (self.bits - 1)).float()
+
+
+@dataclass(frozen=True)
+class Q4_0(_LegacyBlock):
+    name: ClassVar[str] = "q4_0"
+    ggml_type: ClassVar[str] = "Q4_0"
+    block_bytes: ClassVar[int] = 18
+    bits: ClassVar[int] = 4
+    with_min: ClassVar[bool] = False
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q4_0
+
+
+@dataclass(frozen=True)
+class Q4_1(_LegacyBlock):
+    name: ClassVar[str] = "q4_1"
+    ggml_type: ClassVar[str] = "Q4_1"
+    block_bytes: ClassVar[int] = 20
+    bits: ClassVar[int] = 4
+    with_min: ClassVar[bool] = True
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q4_1
+
+
+@dataclass(frozen=True)
+class Q5_0(_LegacyBlock):
+    name: ClassVar[str] = "q5_0"
+    ggml_type: ClassVar[str] = "Q5_0"
+    block_bytes: ClassVar[int] = 22
+    bits: ClassVar[int] = 5
+    with_min: ClassVar[bool] = False
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q5_0
+
+
+@dataclass(frozen=True)
+class Q5_1(_LegacyBlock):
+    name: ClassVar[str] = "q5_1"
+    ggml_type: ClassVar[str] = "Q5_1"
+    block_bytes: ClassVar[int] = 24
+    bits: ClassVar[int] = 5
+    with_min: ClassVar[bool] = True
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q5_1
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load_legacy(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                     EVICT: tl.constexpr, HIGH_BIT: tl.constexpr, WITH_MIN: tl.constexpr):
+        QH: tl.constexpr = 4 if WITH_MIN else 2
+        QS: tl.constexpr = QH + 4 if HIGH_BIT else QH
+        BYTES: tl.constexpr = QS + 16
+        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns of the tile that share one block's d
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, _, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, BYTES, G)
+        # weight p: qs[p % 16], its high nibble from p = 16 on; its fifth bit, bit p % 8 of qh's byte p // 8
+        packed = tl.load(block + (QS + (place & 15)), mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
+        q = (packed >> ((place >> 4) << 2)) & 15  # [R, BLOCK_K]
+        if HIGH_BIT:
+            qh = tl.load(block + (QH + (place >> 3)), mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
+            q = q | (((qh >> (place & 7)) & 1) << 4)
+        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
+        if WITH_MIN:
+            m = tl.load((group + 2).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
+            w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * d[:, :, None] + m[:, :, None]
+        else:
+            centred = q - (16 if HIGH_BIT else 8)
+            w = tl.reshape(centred.to(tl.float32), (R, BLOCK_K // G, G)) * d[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w
+
+    @triton.jit
+    def _load_q4_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, False, False)
+
+    @triton.jit
+    def _load_q4_1(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, False, True)
+
+    @triton.jit
+    def _load_q5_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True, False)
+
+    @triton.jit
+    def _load_q5_1(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True, True)
