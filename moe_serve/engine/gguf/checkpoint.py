@@ -27,7 +27,7 @@ import torch
 from gguf import quants
 from tqdm import tqdm
 
-from moe_serve.engine.experts.formats.k_quants import Q4_K, Q5_K, Q6_K
+from moe_serve.engine.experts.formats.k_quants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from moe_serve.engine.experts.formats.legacy_quants import Q4_0, Q4_1, Q5_0, Q5_1
 from moe_serve.engine.experts.formats.q8_0 import Q8_0
 from moe_serve.engine.gguf.config import Metadata, hf_config
@@ -45,7 +45,7 @@ from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
 log = logging.getLogger(__name__)
 
 # GGML type -> the expert format that keeps its blocks as they are
-EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)}
+EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (config.py), no parameter of their own
 

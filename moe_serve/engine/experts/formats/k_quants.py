@@ -1,6 +1,8 @@
-"""The k-quants (GGUF Q4_K, Q5_K, Q6_K; --expert-quant q4_k, q5_k, q6_k): super-blocks of 256 weights
-along K, each with an fp16 scale d whose multiples scale its sub-blocks. One file because the three
-share the super-block, and Q4_K and Q5_K share everything but Q5_K's fifth bit.
+"""The k-quants (GGUF Q2_K to Q6_K; --expert-quant q2_k ... q6_k): super-blocks of 256 weights along
+K, each with an fp16 scale d whose multiples scale its sub-blocks. One file because the five share
+the super-block, Q4_K and Q5_K everything but Q5_K's fifth bit, Q2_K and Q3_K their 2-bit planes.
+Q2_K and Q3_K (the types of the largest MoE files, and of Q3_K_M's gate/up) are laid out in their
+classes' docstrings.
 
 Q4_K (144 bytes, 4.5 bits per weight) and Q5_K (176 bytes, 5.5 bits): d, dmin (fp16), then 12
 bytes of eight 6-bit (scale, min) pairs, one per sub-block of 32, then for Q5_K 32 bytes `qh` whose
@@ -15,9 +17,10 @@ nibble (j // 2: high, else low) of ql[64 n + 32 (j % 2) + l] and bits 2 j, 2 j +
 as its high two; w = d * scale * (q - 32).
 
 Decoding is llama.cpp's, bit for bit (the tests hold it to the gguf package's). Encoding, for
---expert-quant and the tests, is a plain round-to-nearest: each sub-block's range (Q4_K, Q5_K:
-min..max, the min clamped to <= 0; Q6_K: +-absmax) over the codes, the sub-block scales then
-rounded to 6 (8) bits against d = their max / 63 (127). It is not llama.cpp's quantizer, which
+--expert-quant and the tests, is a plain round-to-nearest: each sub-block's range (Q2_K, Q4_K, Q5_K:
+min..max, the min clamped to <= 0; Q6_K: +-absmax; Q3_K: see there) over the codes, the sub-block
+scales then rounded to 4 (Q2_K), 6 or 8 (Q6_K) bits against d = their max / 15, 63 (31 for Q3_K's
+signed ones) or 127. It is not llama.cpp's quantizer, which
 searches each sub-block's scale and min for the least squared error (and weighs by an importance
 matrix when given one): files from llama-quantize are a little more accurate than ours.
 """
@@ -48,8 +51,9 @@ _HEADER = 16  # Q4_K / Q5_K: d, dmin, 12 bytes of scales and mins
 
 
 def _codes(x: torch.Tensor, step: torch.Tensor, qmax: int, qmin: int = 0) -> torch.Tensor:
-    """round(x / step) clamped to [qmin, qmax]; 0 where the step is 0 (an all-zero range)."""
-    return torch.where(step > 0, x / step, 0.0).round_().clamp_(qmin, qmax)
+    """round(x / step) clamped to [qmin, qmax]; 0 where the step is 0 (an all-zero range). Q3_K's steps
+    may be negative."""
+    return torch.where(step != 0, x / step, 0.0).round_().clamp_(qmin, qmax)
 
 
 def _pack_scales_mins(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
@@ -126,6 +130,103 @@ class Q5_K(_WithMin):
     @property
     def triton_load(self) -> Any:
         return _load_q5_k
+
+
+def _two_bit_planes(q: torch.Tensor) -> torch.Tensor:
+    """Codes [..., 256] of 0..3 -> Q2_K's and Q3_K's 64 bytes: weight 128 n + 32 j + l in bits 2 j
+    of byte 32 n + l."""
+    planes = q.to(torch.int32).unflatten(-1, (2, 4, 32))  # [..., n, j, l]
+    return (planes << 2 * torch.arange(4, device=q.device)[:, None]).sum(-2).to(torch.uint8).flatten(-2)
+
+
+def _from_two_bit_planes(qs: torch.Tensor) -> torch.Tensor:
+    """The 64 bytes [..., 64] -> codes [..., 16, 16] by sub-block (the inverse of _two_bit_planes)."""
+    planes = qs.to(torch.int32).unflatten(-1, (2, 1, 32)) >> 2 * torch.arange(4, device=qs.device)[:, None] & 3
+    return planes.flatten(-3).unflatten(-1, (16, 16))  # [..., n, j, l] in weight order
+
+
+@dataclass(frozen=True)
+class Q2_K(GgmlBlockFormat):
+    """84 bytes, 2.625 bits per weight: sixteen scale bytes (a sub-block of 16's 4-bit scale in the low
+    nibble, its 4-bit min in the high one), 64 bytes of 2-bit codes (_two_bit_planes), d, dmin.
+    w = d * scale * q - dmin * min."""
+
+    name: ClassVar[str] = "q2_k"
+    ggml_type: ClassVar[str] = "Q2_K"
+    block: ClassVar[int] = SUPER_BLOCK
+    block_bytes: ClassVar[int] = 84
+    col_multiple: ClassVar[int] = SUPER_BLOCK
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        sub = w.unflatten(-1, (16, 16))  # [..., 16, 16]
+        low = sub.amin(-1).clamp(max=0.0)  # [..., 16] stored as a min >= 0 to subtract
+        ranges, mins = (sub.amax(-1) - low) / 3, -low
+        d = (ranges.amax(-1) / 15).half().float()  # [...]
+        dmin = (mins.amax(-1) / 15).half().float()
+        scales, min_codes = _codes(ranges, d[..., None], 15), _codes(mins, dmin[..., None], 15)  # [..., 16]
+        step, offset = (d[..., None] * scales)[..., None], (dmin[..., None] * min_codes)[..., None]
+        q = _codes(sub + offset, step, 3).flatten(-2)  # [..., 256]
+        return torch.cat((nibbles(scales, min_codes), _two_bit_planes(q), fp16_bytes(d), fp16_bytes(dmin)), dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        packed = blocks[..., :16].to(torch.int32)  # [..., 16]
+        step = fp16_field(blocks, 80)[..., None] * (packed & 15).float()
+        offset = fp16_field(blocks, 82)[..., None] * (packed >> 4).float()
+        q = _from_two_bit_planes(blocks[..., 16:80])  # [..., 16, 16]
+        return (step[..., None] * q.float() - offset[..., None]).flatten(-2)
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q2_k
+
+
+@dataclass(frozen=True)
+class Q3_K(GgmlBlockFormat):
+    """110 bytes, 3.4375 bits per weight: 32 bytes hmask (bit 4 n + j of byte l: weight 128 n + 32 j + l's
+    third bit), 64 bytes of its low two bits (_two_bit_planes), twelve bytes of sixteen 6-bit scales
+    (scale i's low nibble in byte i % 8 at bit 4 (i // 8), its high two bits in byte 8 + i % 4 at bit
+    2 (i // 4)), d. w = d * (scale - 32) * (q - 4), q the three bits (the stored third bit is set
+    for q >= 4).
+
+    The encoder takes each sub-block's step from its weight of largest magnitude, sign kept, over
+    the code -4 (as Q4_0 does), so that weight is exact; scales are signed."""
+
+    name: ClassVar[str] = "q3_k"
+    ggml_type: ClassVar[str] = "Q3_K"
+    block: ClassVar[int] = SUPER_BLOCK
+    block_bytes: ClassVar[int] = 110
+    col_multiple: ClassVar[int] = SUPER_BLOCK
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        sub = w.unflatten(-1, (16, 16))  # [..., 16, 16]
+        steps = sub.gather(-1, sub.abs().argmax(-1, keepdim=True))[..., 0] / -4  # [..., 16]
+        d = (steps.abs().amax(-1) / 31).half().float()  # [...]
+        scales = _codes(steps, d[..., None], 31, -31)  # [..., 16]
+        q = (_codes(sub, (d[..., None] * scales)[..., None], 3, -4) + 4).to(torch.int32).flatten(-2)  # [..., 256] 0..7
+        high = (q >> 2).unflatten(-1, (8, 32))  # [..., 4 n + j, l]
+        hmask = (high << torch.arange(8, device=w.device)[:, None]).sum(-2).to(torch.uint8)  # [..., 32]
+        codes = (scales + 32).to(torch.int32)  # [..., 16] 1..63
+        low = codes & 15
+        high_bits = codes >> 4
+        packed = torch.cat((low[..., :8] | (low[..., 8:] << 4),
+                            high_bits[..., 0:4] | (high_bits[..., 4:8] << 2) | (high_bits[..., 8:12] << 4)
+                            | (high_bits[..., 12:16] << 6)), dim=-1).to(torch.uint8)  # [..., 12]
+        return torch.cat((hmask, _two_bit_planes(q & 3), packed, fp16_bytes(d)), dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        packed = blocks[..., 96:108].to(torch.int32)
+        low = torch.cat((packed[..., :8] & 15, packed[..., :8] >> 4), dim=-1)  # [..., 16]
+        high = packed[..., 8:12, None] >> 2 * torch.arange(4, device=blocks.device) & 3  # [..., i % 4, i // 4]
+        scales = (low | high.transpose(-1, -2).flatten(-2) << 4) - 32
+        hmask = blocks[..., :32].to(torch.int32)[..., None, :] >> torch.arange(8, device=blocks.device)[:, None] & 1
+        third = hmask.unflatten(-2, (2, 4)).flatten(-3).unflatten(-1, (16, 16))  # [..., 16, 16] as the codes
+        q = _from_two_bit_planes(blocks[..., 32:96]) - 4 * (1 - third)
+        step = fp16_field(blocks, 108)[..., None] * scales.float()  # [..., 16]
+        return (step[..., None] * q.float()).flatten(-2)
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_q3_k
 
 
 @dataclass(frozen=True)
@@ -206,6 +307,52 @@ if triton is not None:
     def _load_q5_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                    EVICT: tl.constexpr):
         return _load_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True)
+
+    @triton.jit
+    def _load_q2_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        G: tl.constexpr = 16 if BLOCK_K > 16 else BLOCK_K
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, 84, G)
+        # weight p = 128 n + 32 j + l: bits 2 j of qs[32 n + l]
+        packed = tl.load(block + (16 + ((place >> 7) << 5) + (place & 31)), mask=mask, other=0,
+                         eviction_policy=EVICT).to(tl.int32)
+        q = (packed >> (((place >> 5) & 3) << 1)) & 3  # [R, BLOCK_K]
+        scale = tl.load(group + (first >> 4), mask=group_mask, other=0).to(tl.int32)  # [R, BLOCK_K / G]
+        d = tl.load((group + 80).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
+        dmin = tl.load((group + 82).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
+        step, offset = d * (scale & 15).to(tl.float32), dmin * (scale >> 4).to(tl.float32)
+        w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None] - offset[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w
+
+    @triton.jit
+    def _load_q3_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        G: tl.constexpr = 16 if BLOCK_K > 16 else BLOCK_K
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, 110, G)
+        # weight p = 128 n + 32 j + l: bits 2 j of qs[32 n + l], its third bit bit 4 n + j of hmask[l]
+        lane, plane = place & 31, (place >> 5) & 3
+        packed = tl.load(block + (32 + ((place >> 7) << 5) + lane), mask=mask, other=0,
+                         eviction_policy=EVICT).to(tl.int32)
+        hmask = tl.load(block + lane, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
+        third = (hmask >> (((place >> 7) << 2) + plane)) & 1
+        q = ((packed >> (plane << 1)) & 3) - ((1 - third) << 2)  # [R, BLOCK_K] -4..3
+        sub = first >> 4  # [BLOCK_K / G] each group's sub-block, 0..15
+        low = (tl.load(group + (96 + (sub & 7)), mask=group_mask, other=0).to(tl.int32) >> ((sub >> 3) << 2)) & 15
+        high = (tl.load(group + (104 + (sub & 3)), mask=group_mask, other=0).to(tl.int32) >> ((sub >> 2) << 1)) & 3
+        d = tl.load((group + 108).to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
+        step = d * ((low | (high << 4)) - 32).to(tl.float32)
+        w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w
 
     @triton.jit
     def _load_q6_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
