@@ -59,8 +59,8 @@ def assert_same_model(quantized: LoadedModel, reference: LoadedModel) -> None:
     got, want = quantized.store, reference.store
     for moe in range(quantized.config.num_moe_layers):  # each layer in its own layout
         for matrix in ("gate_up", "down"):
-            torch.testing.assert_close(got.layout_of(moe).weights(got.rows[moe], matrix),
-                                       want.layout_of(moe).weights(want.rows[moe], matrix), rtol=0, atol=0)
+            torch.testing.assert_close(got.layouts[moe].weights(got.rows[moe], matrix),
+                                       want.layouts[moe].weights(want.rows[moe], matrix), rtol=0, atol=0)
     torch.testing.assert_close(logits(quantized), logits(reference), rtol=1e-5, atol=1e-5)
 
 

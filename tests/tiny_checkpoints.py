@@ -137,5 +137,5 @@ class AllResidentRunner:
     def run(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
         out = torch.zeros_like(x)  # [T, H]
         rows = {e: self.store.row(routing.layer, e) for e in routing.expert_ids.unique().tolist()}
-        accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, self.store.layout_of(routing.layer))
+        accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, self.store.layouts[routing.layer])
         return out

@@ -135,4 +135,4 @@ class MetricsSnapshot:
     preemptions: int = 0  # sequences whose KV was freed to be recomputed later
     kv_cache_usage: float = 0.0  # share of KV blocks in use
     expert_format: str = ""  # the routed experts' format (experts/formats/), "" for a dense model
-    expert_bytes: int = 0  # one expert's row in it: what one expert slot holds and one miss copies
+    expert_bytes: int = 0  # one expert slot: the row a miss copies (the largest layer's where layers differ)

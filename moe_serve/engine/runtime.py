@@ -82,7 +82,7 @@ class Runtime:
             "hit_rate": total.hit_rate,
             "pcie_bytes": total.demand_bytes + total.prefetch_bytes,
             "expert_format": self.runner.store.format_name if self.runner is not None else None,
-            "expert_bytes": self.runner.store.row_nbytes if self.runner is not None else 0,  # one expert's row: one copy
+            "expert_bytes": self.runner.store.row_nbytes if self.runner is not None else 0,  # one expert slot
             "pcie_wait_seconds": total.pcie_wait_seconds,
             "prefetch_used": total.prefetch_used,
             "prefetch_wasted": total.prefetch_wasted,

@@ -94,7 +94,7 @@ def _moe_families(s: MetricsSnapshot) -> Iterator[Metric]:
                                  labels=["format"])
         info.add_metric([s.expert_format], 1)
         yield info
-        yield GaugeMetricFamily("moe_expert_bytes", "Bytes of one expert in its format: one expert slot, one copy.",
+        yield GaugeMetricFamily("moe_expert_bytes", "Bytes of one expert slot: one expert in its format, the largest layer's where layers differ.",
                                 value=s.expert_bytes)
     yield _labelled("moe_pcie_bytes", "Expert bytes copied host-to-GPU.", "kind",
                     {"demand": s.pcie_bytes_demand, "prefetch": s.pcie_bytes_prefetch})

@@ -159,7 +159,7 @@ class CudaRunner(AllResidentRunner):
         out = torch.zeros_like(x)  # [T, H]
         ids = routing.expert_ids.unique().tolist()
         rows = {e: self.store.row(routing.layer, e).to(x.device, non_blocking=True) for e in ids}
-        accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, self.store.layout_of(routing.layer))
+        accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, self.store.layouts[routing.layer])
         return out
 
 

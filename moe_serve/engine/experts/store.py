@@ -49,13 +49,10 @@ class ExpertStore:
 
     @property
     def layout(self) -> ExpertLayout:
-        """The layout every layer shares; ValueError where layers differ (layout_of then)."""
+        """The layout every layer shares; ValueError where layers differ (`layouts` then)."""
         if len(set(self.layouts)) != 1:
             raise ValueError(f"the layers' experts have different layouts: {self.describe_formats()}")
         return self.layouts[0]
-
-    def layout_of(self, layer: int) -> ExpertLayout:
-        return self.layouts[layer]
 
     @property
     def row_numel(self) -> int:
@@ -98,7 +95,7 @@ class ExpertStore:
         return self.rows.is_pinned()
 
     def row(self, layer: int, expert: int) -> torch.Tensor:
-        """The packed weights of one expert, [layout_of(layer).numel] (a view into the store)."""
+        """The packed weights of one expert, [layouts[layer].numel] (a view into the store)."""
         return self.rows[layer, expert, :self.layouts[layer].numel]
 
     def put(

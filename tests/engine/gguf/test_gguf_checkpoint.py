@@ -71,7 +71,7 @@ def test_expert_rows_hold_the_files_bytes(root: Path) -> None:
 def _assert_rows_hold_the_files_bytes(loaded, gguf_file: Path, expert: int = 4) -> None:
     tensors = {t.name: t.data for t in GGUFReader(gguf_file).tensors}
     for moe, layer in enumerate(loaded.config.moe_layers):
-        layout, row = loaded.store.layout_of(moe), loaded.store.row(moe, expert)
+        layout, row = loaded.store.layouts[moe], loaded.store.row(moe, expert)
         gate_up = np.concatenate([tensors[f"blk.{layer}.ffn_{part}_exps.weight"][expert] for part in ("gate", "up")])
         np.testing.assert_array_equal(layout.sections["gate_up"].view(row).numpy(), gate_up)
         np.testing.assert_array_equal(layout.sections["down"].view(row).numpy(),
@@ -94,7 +94,7 @@ def test_each_layer_keeps_its_own_expert_types(root: Path, caplog: pytest.LogCap
     assert store.describe_formats() == (f"q4_k (layers {', '.join(str(m) for m in range(config.num_moe_layers) if m != odd)}), "
                                         f"q4_k with down q6_k (layers {odd})")
     # an expert slot holds the largest row; a row is its layer's own bytes, so a copy moves no padding
-    sizes = {moe: store.layout_of(moe).nbytes for moe in range(config.num_moe_layers)}
+    sizes = {moe: store.layouts[moe].nbytes for moe in range(config.num_moe_layers)}
     assert store.row_nbytes == sizes[odd] > max(n for moe, n in sizes.items() if moe != odd)
     assert all(store.row(moe, 0).numel() == n for moe, n in sizes.items())
     _assert_rows_hold_the_files_bytes(loaded, gguf_file)
