@@ -57,10 +57,11 @@ DEFAULT_MODEL = REPO / "moe_serve" / "models" / "default"
 GOALS = {"int8": 0.01, "int4": 0.05, "q4_k": 0.05, "q4_k_m": 0.05}  # issue H: perplexity at most this far above bf16
 GGUF_NOTE = ("GGUF formats are quantized at load by the engine's own encoders: for q8_0, q4_0, q4_1, q5_0 and q5_1 "
              "these are llama.cpp's reference quantizers, bit for bit (the tests hold them to the gguf package's), "
-             "so the rows are what llama-quantize writes without an importance matrix; the k-quants (q4_k, q5_k, "
+             "so the rows are what llama-quantize writes without an importance matrix; the k-quants (q2_k to "
              "q6_k, and the mixes q4_k_m / q5_k_m, which give the down projection of llama.cpp's sensitive layers "
-             "Q6_K as its Q4_K_M / Q5_K_M do) use a plain round-to-nearest, not llama.cpp's scale search, so a "
-             "file from llama-quantize can be a little more accurate. 'expert bytes' of a mix is the mean over layers.")
+             "Q6_K as its Q4_K_M / Q5_K_M do) and iq4_nl / iq4_xs use a plain round-to-nearest, not llama.cpp's "
+             "scale search, so a file from llama-quantize can be a little more accurate. 'expert bytes' of a mix "
+             "is the mean over layers.")
 
 
 def heldout_windows(tokenizer_dir: Path, tokens: int, seq_len: int, corpus_path: Path = CORPUS) -> list[list[int]]:

@@ -2,7 +2,7 @@
 parameters, and each tensor read from the memory-mapped file when the loader asks for it.
 
 Routed experts (ffn_{gate,up,down}_exps, [E, N, K] with K along each row) stay in their GGML block
-type when an expert format keeps it (experts/formats/q8_0.py, legacy_quants.py, k_quants.py): the rows of the file
+type when an expert format keeps it (experts/formats/q8_0.py, legacy_quants.py, k_quants.py, iq4.py): the rows of the file
 are the rows of our expert layout, copied as they are. Each MoE layer keeps its own gate/up and
 down types (llama.cpp's Q4_K_M gives some layers' ffn_down_exps Q6_K: ModelConfig's
 published_layer_formats, one expert layout per layer). Only what one layout cannot hold is
@@ -27,6 +27,7 @@ import torch
 from gguf import quants
 from tqdm import tqdm
 
+from moe_serve.engine.experts.formats.iq4 import IQ4_NL, IQ4_XS
 from moe_serve.engine.experts.formats.k_quants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from moe_serve.engine.experts.formats.legacy_quants import Q4_0, Q4_1, Q5_0, Q5_1
 from moe_serve.engine.experts.formats.q8_0 import Q8_0
@@ -45,7 +46,8 @@ from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
 log = logging.getLogger(__name__)
 
 # GGML type -> the expert format that keeps its blocks as they are
-EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)}
+EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+                                                         IQ4_NL, IQ4_XS)}
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (config.py), no parameter of their own
 

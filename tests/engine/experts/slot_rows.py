@@ -37,10 +37,12 @@ def interpreted_formats() -> list[str]:
     return [name for name, fmt in formats if max(fmt.row_multiple, fmt.col_multiple) <= 32]
 
 
-# GGUF's first four types share one load (legacy_quants._load_legacy, switched by constants): q5_1,
-# which has both the min and the fifth bit, stands for them in the whole kernels; the loads of all
-# four are checked tile by tile in formats/test_triton_loads.py
-_SHARED_LOADS = ("q4_0", "q4_1", "q5_0")
+# Whole-kernel runs that would add nothing but minutes: GGUF's first four types share one load
+# (legacy_quants._load_legacy, switched by constants), for which q5_1, with both the min and the
+# fifth bit, stands; and the kernels call every load of a 32-weight block alike (q8_0 and q5_1 run
+# them), so iq4_nl's differs from theirs only inside its load. Every load is checked tile by tile in
+# formats/test_triton_loads.py
+_SHARED_LOADS = ("q4_0", "q4_1", "q5_0", "iq4_nl")
 
 
 def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ...]]:

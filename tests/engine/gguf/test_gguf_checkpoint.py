@@ -30,6 +30,7 @@ CASES = [
     ("qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256),  # dense layers between MoE ones, per-head q/k norm, tied
     ("qwen3_moe", "Q3_K", "Q8_0", BLOCKS_OF_256),  # the types of the largest MoE files: 3 and 2 bits
     ("qwen3_moe", "Q2_K", "Q8_0", BLOCKS_OF_256),
+    ("qwen3_moe", "IQ4_XS", "Q8_0", BLOCKS_OF_256),  # non-linear levels
     ("olmoe", "Q6_K", "F16", dict(hidden_size=256, intermediate_size=256)),  # full q/k norm, clip_qkv
     ("llama", None, "Q8_0", LLAMA3),  # biases everywhere, tied embeddings, llama3 rope as rope_freqs
     ("qwen2", None, "Q8_0", dict(use_sliding_window=False)),  # linear rope (GGUF keeps no sliding window)
@@ -131,7 +132,7 @@ def test_float_experts_load_plain_or_as_expert_quant_says(root: Path) -> None:
 def test_an_expert_type_no_format_keeps_is_refused_by_name(root: Path) -> None:
     gguf_file, _ = _pair(root, "qwen3_moe", "TQ2_0", "F32", BLOCKS_OF_256)
     with pytest.raises(ValueError, match="TQ2_0 experts are not supported .*supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                                         "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K"):
+                                         "Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS"):
         read_config(gguf_file)
     with pytest.raises(ConfigError, match=f"--model {gguf_file}: TQ2_0 experts are not supported"):
         check_model_dir(str(gguf_file), "--model")

@@ -1,4 +1,4 @@
-"""The GGML block formats (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k): decoding is llama.cpp's dequantization bit for
+"""The GGML block formats (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs): decoding is llama.cpp's dequantization bit for
 bit (held to the gguf package's on arbitrary blocks), encoding round-trips within each type's
 precision, and rows are exactly the GGUF bytes per weight."""
 from __future__ import annotations
@@ -12,10 +12,10 @@ from moe_serve.engine.experts.formats import expert_format
 from moe_serve.engine.experts.formats.ggml_block import GgmlBlockFormat
 from moe_serve.engine.experts.layout import ExpertLayout
 
-GGML_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+GGML_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
 # byte offsets of d (and dmin, m)
 FP16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82),
-               "q3_k": (108,), "q4_k": (0, 2),
+               "q3_k": (108,), "q4_k": (0, 2), "iq4_nl": (0,), "iq4_xs": (0,),
                "q5_k": (0, 2), "q6_k": (208,)}
 # the formats whose encoder is llama.cpp's own (the k-quants' is a plain round-to-nearest)
 LLAMA_CPP_ENCODERS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
@@ -56,7 +56,7 @@ def test_decode_is_llama_cpp_dequantization_bit_for_bit(name):
 
 @pytest.mark.parametrize("name,rel", [("q8_0", 0.01), ("q4_0", 0.12), ("q4_1", 0.09), ("q5_0", 0.06), ("q5_1", 0.045),
                                       ("q2_k", 0.36), ("q3_k", 0.18), ("q4_k", 0.09), ("q5_k", 0.045),
-                                      ("q6_k", 0.025)])
+                                      ("q6_k", 0.025), ("iq4_nl", 0.09), ("iq4_xs", 0.09)])
 def test_encode_round_trips_within_the_types_precision(name, rel):
     fmt = _format(name)
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)) / 512**0.5
@@ -82,7 +82,7 @@ def test_encodes_as_llama_cpp(name):
 
 @pytest.mark.parametrize("name,bits", [("q8_0", 8.5), ("q4_0", 4.5), ("q4_1", 5), ("q5_0", 5.5), ("q5_1", 6),
                                        ("q2_k", 2.625), ("q3_k", 3.4375), ("q4_k", 4.5), ("q5_k", 5.5),
-                                       ("q6_k", 6.5625)])
+                                       ("q6_k", 6.5625), ("iq4_nl", 4.5), ("iq4_xs", 4.25)])
 def test_bytes_per_expert(name, bits):
     h, i = 2048, 768  # Qwen3-30B-A3B
     layout = ExpertLayout(h, i, torch.bfloat16, expert_format(name, torch.bfloat16))

@@ -1,0 +1,189 @@
+"""GGUF's non-linear 4-bit types (IQ4_NL, IQ4_XS; --expert-quant iq4_nl, iq4_xs): each 4-bit code
+picks one of sixteen fixed levels, spaced closer near zero where weights are dense, times a block's
+scale. IQ4_XS files are a common choice for large MoE models at about 4 bits; IQ4_NL is its
+32-weight-block form. One file because the two share the levels and the nibble order.
+
+The levels (llama.cpp's kvalues_iq4nl): -127 -104 -83 -65 -49 -35 -22 -10 1 13 25 38 53 69 89 113.
+IQ4_NL (18 bytes per 32 weights, 4.5 bits): d (fp16), then 16 bytes qs, byte j holding weight j's
+code in its low nibble and weight j + 16's in its high one; w = d * level[q]. IQ4_XS (136 bytes per
+256, 4.25 bits): d (fp16), scales_h (16 bits, little-endian: bits 2 i, 2 i + 1 are the high two of
+sub-block i's 6-bit scale), scales_l (4 bytes: sub-block i's low four bits in byte i // 2, nibble
+i % 2), then for each sub-block of 32 its 16 bytes of codes as IQ4_NL orders them; w = d * (scale -
+32) * level[q].
+
+Decoding is llama.cpp's, bit for bit (the tests hold it to the gguf package's). Encoding, for
+--expert-quant and the tests, is ours and plain: a block's (sub-block's) scale puts its weight of
+largest magnitude, sign kept, on the level -127, each weight takes the nearest level, and IQ4_XS's
+sub-block scales are rounded to 6 signed bits against d = their largest / 31. llama.cpp's
+quantizer searches the scales (and weighs by an importance matrix), so its files are more accurate.
+
+In the kernels a level is looked up without a table in memory: the sixteen levels are packed as
+bytes into four 32-bit constants, the code's top two bits pick the word and its low two the byte.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from moe_serve.engine.experts.formats.ggml_block import (
+    GgmlBlockFormat,
+    fp16_bytes,
+    fp16_field,
+    nibbles,
+)
+
+try:
+    import triton
+    import triton.language as tl
+
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
+LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _packed_levels(first: int) -> int:
+    """Levels first..first + 3 as the bytes of one signed 32-bit word, the first in the low byte."""
+    word = sum((LEVELS[first + i] & 0xFF) << 8 * i for i in range(4))
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _nearest_levels(x: torch.Tensor) -> torch.Tensor:
+    """The code of the level nearest to each x (in units of the scale): [...] -> uint8 [...]."""
+    levels = torch.tensor(LEVELS, dtype=torch.float32, device=x.device)
+    return torch.bucketize(x, (levels[1:] + levels[:-1]) / 2).to(torch.uint8)
+
+
+def _levels_of(codes: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(LEVELS, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def _largest_over_first_level(w: torch.Tensor) -> torch.Tensor:
+    """Per group of w [..., n], its weight of largest magnitude (sign kept) / -127: [...]."""
+    return w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0] / LEVELS[0]
+
+
+def _codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """Nearest level codes of w [..., n] under step [...] (0 where the step is 0: level 1 x 0)."""
+    return _nearest_levels(torch.where(step[..., None] != 0, w / step[..., None], 0.0))
+
+
+def _quarter_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., 32] -> 16 bytes: byte j holds code j low and code j + 16 high."""
+    return nibbles(codes[..., :16], codes[..., 16:])
+
+
+def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes [..., 16] -> codes [..., 32] (the inverse of _quarter_nibbles)."""
+    b = qs.to(torch.int32)
+    return torch.cat((b & 15, b >> 4), dim=-1)
+
+
+@dataclass(frozen=True)
+class IQ4_NL(GgmlBlockFormat):
+    name: ClassVar[str] = "iq4_nl"
+    ggml_type: ClassVar[str] = "IQ4_NL"
+    block: ClassVar[int] = 32
+    block_bytes: ClassVar[int] = 18
+    col_multiple: ClassVar[int] = 32
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        d = _largest_over_first_level(w).half().float()  # [...]
+        return torch.cat((fp16_bytes(d), _quarter_nibbles(_codes(w, d))), dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        return fp16_field(blocks, 0)[..., None] * _levels_of(_unpack_nibbles(blocks[..., 2:]))
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_iq4_nl
+
+
+@dataclass(frozen=True)
+class IQ4_XS(GgmlBlockFormat):
+    name: ClassVar[str] = "iq4_xs"
+    ggml_type: ClassVar[str] = "IQ4_XS"
+    block: ClassVar[int] = 256
+    block_bytes: ClassVar[int] = 136
+    col_multiple: ClassVar[int] = 256
+
+    def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
+        sub = w.unflatten(-1, (8, 32))  # [..., 8, 32]
+        steps = _largest_over_first_level(sub)  # [..., 8]
+        d = (steps.abs().amax(-1) / 31).half().float()  # [...]
+        scales = torch.where(d[..., None] > 0, steps / d[..., None], 0.0).round_().clamp_(-32, 31)  # [..., 8]
+        codes = _codes(sub, d[..., None] * scales)  # [..., 8, 32]
+        stored = (scales + 32).to(torch.int32)  # 0..63
+        low, high = stored & 15, stored >> 4
+        scales_h = (high << 2 * torch.arange(8, device=w.device)).sum(-1)  # [...] 16 bits
+        fields = (fp16_bytes(d), torch.stack((scales_h & 255, scales_h >> 8), dim=-1).to(torch.uint8),
+                  nibbles(low[..., 0::2], low[..., 1::2]), _quarter_nibbles(codes).flatten(-2))
+        return torch.cat(fields, dim=-1)
+
+    def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
+        scales_h = blocks[..., 2].to(torch.int32) | blocks[..., 3].to(torch.int32) << 8  # [...]
+        scales_l = blocks[..., 4:8].to(torch.int32)  # [..., 4]
+        low = torch.stack((scales_l & 15, scales_l >> 4), dim=-1).flatten(-2)  # [..., 8]
+        high = scales_h[..., None] >> 2 * torch.arange(8, device=blocks.device) & 3
+        step = fp16_field(blocks, 0)[..., None] * ((low | high << 4) - 32).float()  # [..., 8]
+        codes = _unpack_nibbles(blocks[..., 8:].unflatten(-1, (8, 16)))  # [..., 8, 32]
+        return (step[..., None] * _levels_of(codes)).flatten(-2)
+
+    @property
+    def triton_load(self) -> Any:
+        return _load_iq4_xs
+
+
+if triton is not None:
+    _LEVELS_0 = tl.constexpr(_packed_levels(0))
+    _LEVELS_4 = tl.constexpr(_packed_levels(4))
+    _LEVELS_8 = tl.constexpr(_packed_levels(8))
+    _LEVELS_12 = tl.constexpr(_packed_levels(12))
+
+    @triton.jit
+    def _level(q):
+        """The level of codes q (int32, 0..15), as fp32."""
+        word = tl.where(q < 8, tl.where(q < 4, _LEVELS_0, _LEVELS_4), tl.where(q < 12, _LEVELS_8, _LEVELS_12))
+        byte = (word >> ((q & 3) << 3)) & 255
+        return ((byte << 24) >> 24).to(tl.float32)  # sign-extended
+
+    @triton.jit
+    def _load_iq4_nl(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, EVICT: tl.constexpr):
+        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns of the tile that share one block's d
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, _, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, 18, G)
+        packed = tl.load(block + (2 + (place & 15)), mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
+        q = (packed >> ((place >> 4) << 2)) & 15  # [R, BLOCK_K]
+        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
+        w = tl.reshape(_level(q), (R, BLOCK_K // G, G)) * d[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w
+
+    @triton.jit
+    def _load_iq4_xs(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, EVICT: tl.constexpr):
+        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns sharing one sub-block's scale
+        R: tl.constexpr = rows.shape[0]
+        block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, 136, G)
+        # weight p: sub-block p // 32's byte p % 16, its high nibble for p % 32 >= 16
+        packed = tl.load(block + (8 + ((place >> 5) << 4) + (place & 15)), mask=mask, other=0,
+                         eviction_policy=EVICT).to(tl.int32)
+        q = (packed >> (((place >> 4) & 1) << 2)) & 15  # [R, BLOCK_K]
+        sub = first >> 5  # [BLOCK_K / G] each group's sub-block, 0..7
+        low = (tl.load(group + (4 + (sub >> 1)), mask=group_mask, other=0).to(tl.int32) >> ((sub & 1) << 2)) & 15
+        high = (tl.load(group + (2 + (sub >> 2)), mask=group_mask, other=0).to(tl.int32) >> ((sub & 3) << 1)) & 3
+        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
+        step = d * ((low | (high << 4)) - 32).to(tl.float32)
+        w = tl.reshape(_level(q), (R, BLOCK_K // G, G)) * step[:, :, None]
+        w = tl.reshape(w, (R, BLOCK_K))
+        if TRANSPOSE:
+            return tl.trans(w)
+        else:
+            return w
