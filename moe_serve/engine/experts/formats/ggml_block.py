@@ -68,6 +68,18 @@ def nibbles(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     return (low.to(torch.uint8) & 0xF) | ((high.to(torch.uint8) & 0xF) << 4)
 
 
+def split_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes [..., 32] of one 32-weight block -> 16 bytes, byte j holding code j in its low
+    nibble and code j + 16 in its high one (Q4_0 to Q5_1's and the IQ4 types' order)."""
+    return nibbles(codes[..., :16], codes[..., 16:])
+
+
+def unsplit_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes [..., 16] -> the 4-bit codes [..., 32] (int32) split_nibbles packed."""
+    b = qs.to(torch.int32)
+    return torch.cat((b & 15, b >> 4), dim=-1)
+
+
 if triton is not None:
     FP16 = tl.constexpr(tl.pointer_type(tl.float16))  # blocks' fp16 fields: 2-byte aligned in every format
 

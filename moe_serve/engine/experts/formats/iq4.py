@@ -32,6 +32,8 @@ from moe_serve.engine.experts.formats.ggml_block import (
     fp16_bytes,
     fp16_field,
     nibbles,
+    split_nibbles,
+    unsplit_nibbles,
 )
 
 try:
@@ -71,17 +73,6 @@ def _codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return _nearest_levels(torch.where(step[..., None] != 0, w / step[..., None], 0.0))
 
 
-def _quarter_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [..., 32] -> 16 bytes: byte j holds code j low and code j + 16 high."""
-    return nibbles(codes[..., :16], codes[..., 16:])
-
-
-def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """16 bytes [..., 16] -> codes [..., 32] (the inverse of _quarter_nibbles)."""
-    b = qs.to(torch.int32)
-    return torch.cat((b & 15, b >> 4), dim=-1)
-
-
 @dataclass(frozen=True)
 class IQ4_NL(GgmlBlockFormat):
     name: ClassVar[str] = "iq4_nl"
@@ -92,10 +83,10 @@ class IQ4_NL(GgmlBlockFormat):
 
     def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
         d = _largest_over_first_level(w).half().float()  # [...]
-        return torch.cat((fp16_bytes(d), _quarter_nibbles(_codes(w, d))), dim=-1)
+        return torch.cat((fp16_bytes(d), split_nibbles(_codes(w, d))), dim=-1)
 
     def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        return fp16_field(blocks, 0)[..., None] * _levels_of(_unpack_nibbles(blocks[..., 2:]))
+        return fp16_field(blocks, 0)[..., None] * _levels_of(unsplit_nibbles(blocks[..., 2:]))
 
     @property
     def triton_load(self) -> Any:
@@ -120,7 +111,7 @@ class IQ4_XS(GgmlBlockFormat):
         low, high = stored & 15, stored >> 4
         scales_h = (high << 2 * torch.arange(8, device=w.device)).sum(-1)  # [...] 16 bits
         fields = (fp16_bytes(d), torch.stack((scales_h & 255, scales_h >> 8), dim=-1).to(torch.uint8),
-                  nibbles(low[..., 0::2], low[..., 1::2]), _quarter_nibbles(codes).flatten(-2))
+                  nibbles(low[..., 0::2], low[..., 1::2]), split_nibbles(codes).flatten(-2))
         return torch.cat(fields, dim=-1)
 
     def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -129,7 +120,7 @@ class IQ4_XS(GgmlBlockFormat):
         low = torch.stack((scales_l & 15, scales_l >> 4), dim=-1).flatten(-2)  # [..., 8]
         high = scales_h[..., None] >> 2 * torch.arange(8, device=blocks.device) & 3
         step = fp16_field(blocks, 0)[..., None] * ((low | high << 4) - 32).float()  # [..., 8]
-        codes = _unpack_nibbles(blocks[..., 8:].unflatten(-1, (8, 16)))  # [..., 8, 32]
+        codes = unsplit_nibbles(blocks[..., 8:].unflatten(-1, (8, 16)))  # [..., 8, 32]
         return (step[..., None] * _levels_of(codes)).flatten(-2)
 
     @property

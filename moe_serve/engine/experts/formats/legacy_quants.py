@@ -26,7 +26,8 @@ from moe_serve.engine.experts.formats.ggml_block import (
     GgmlBlockFormat,
     fp16_bytes,
     fp16_field,
-    nibbles,
+    split_nibbles,
+    unsplit_nibbles,
 )
 
 try:
@@ -73,12 +74,11 @@ class _LegacyBlock(GgmlBlockFormat):
         if self.bits == 5:
             high = (q >> 4).unflatten(-1, (4, 8)).to(torch.int32)  # [..., byte, bit]
             fields.append((high << torch.arange(8, device=w.device)).sum(-1).to(torch.uint8))  # qh [..., 4]
-        fields.append(nibbles(q[..., :16], q[..., 16:]))  # qs [..., 16]
+        fields.append(split_nibbles(q))  # qs [..., 16]
         return torch.cat(fields, dim=-1)
 
     def decode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        qs = blocks[..., self.qs_at():self.qs_at() + 16].to(torch.int32)  # [..., 16]
-        q = torch.cat((qs & 15, qs >> 4), dim=-1)  # [..., 32]
+        q = unsplit_nibbles(blocks[..., self.qs_at():self.qs_at() + 16])  # [..., 32]
         if self.bits == 5:
             qh = blocks[..., self.qh_at():self.qh_at() + 4].to(torch.int32)  # [..., 4]
             q = q | ((qh[..., None] >> torch.arange(8, device=qh.device) & 1) << 4).flatten(-2)
