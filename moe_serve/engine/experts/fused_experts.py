@@ -107,11 +107,12 @@ def fused_experts(
 
 def matrix_operands(layout: ExpertLayout, slots: torch.Tensor, matrix: str) -> dict:
     """The expert kernels' arguments for one matrix ('gate_up' or 'down'): the slots [S, numel] as
-    its data and as its scales, their row strides, where its sections start, and its format's load."""
+    its data and as its scales, their row strides, where its sections start, and its format's load
+    with the order of a loaded tile's columns."""
     w, s = layout.kernel_views(slots, matrix)  # [S, *]
     return {"w_ptr": w, "s_ptr": s, "row_stride": w.stride(0), "scale_stride": s.stride(0),
             "DATA": layout.element_offset(matrix), "SCALES": layout.element_offset(matrix + ".scales"),
-            "LOAD": layout.format_of(matrix).triton_load}
+            "LOAD": layout.format_of(matrix).triton_load, "COLS": layout.format_of(matrix).triton_cols}
 
 
 def _with_dot(layout: ExpertLayout, slots: torch.Tensor, matrix: str) -> dict:
@@ -127,8 +128,8 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr,
                         I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, DOT: tl.constexpr,
-                        USE_DOT: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
+                        DOT: tl.constexpr, USE_DOT: tl.constexpr):
         pair = tl.program_id(0)  # token * K + j
         token = pair // K
         slot = tl.load(ids_ptr + pair).to(tl.int64)  # int64: slot * row_stride passes 2**31 on big caches
@@ -143,11 +144,10 @@ if triton is not None:
                 g += DOT(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, x_ptr + token * H)  # [BLOCK_I]
                 u += DOT(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, x_ptr + token * H)
         else:
-            cols = tl.arange(0, BLOCK_H)  # [BLOCK_H]
             acc_gate = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
             acc_up = tl.zeros([BLOCK_I, BLOCK_H], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
-                col = h0 + cols
+                col = COLS(h0, BLOCK_H)  # [BLOCK_H] x's elements in the order of the loaded tile's columns
                 col_ok = col < H
                 xv = tl.load(x_ptr + token * H + col, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_H]
                 gate = LOAD(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, False, "evict_first")  # [BLOCK_I, BLOCK_H]
@@ -161,12 +161,11 @@ if triton is not None:
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, row_stride, scale_stride, H: tl.constexpr,
                      I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, DOT: tl.constexpr,
-                     USE_DOT: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
+                     DOT: tl.constexpr, USE_DOT: tl.constexpr):
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs
         row_ok = rows < H
-        cols = tl.arange(0, BLOCK_I)  # [BLOCK_I]
         y = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):  # the k experts in routing order: a fixed summation order
             pair = token * K + j
@@ -180,7 +179,7 @@ if triton is not None:
             else:
                 acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
                 for i0 in range(0, I, BLOCK_I):
-                    col = i0 + cols
+                    col = COLS(i0, BLOCK_I)  # [BLOCK_I] in the order of the loaded tile's columns
                     col_ok = col < I
                     a = tl.load(act_ptr + pair * I + col, mask=col_ok, other=0.0)  # [BLOCK_I] fp32
                     w = LOAD(down_ptr, scale_ptr, rows, row_ok, i0, I, BLOCK_I, False, "evict_first")  # [BLOCK_H, BLOCK_I]

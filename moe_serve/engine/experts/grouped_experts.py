@@ -231,7 +231,7 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
                         num_blocks_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr, I: tl.constexpr,
                         K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):  # the grid is launched for the most blocks any routing needs
             return
@@ -241,11 +241,10 @@ if triton is not None:
         scale_ptr = s_ptr + slot * scale_stride + SCALES
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of I
         row_ok = rows < I
-        cols = tl.arange(0, BLOCK_H)
         acc_gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
         for h0 in range(0, H, BLOCK_H):
-            col = h0 + cols  # [BLOCK_H]
+            col = COLS(h0, BLOCK_H)  # [BLOCK_H] in the order of the loaded tiles' columns
             col_ok = col < H
             xt = tl.load(x_ptr + token[:, None] * H + col[None, :], mask=pair_ok[:, None] & col_ok[None, :],
                          other=0.0)  # [BLOCK_M, BLOCK_H]
@@ -262,7 +261,7 @@ if triton is not None:
     def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
                      num_blocks_ptr, y_ptr, row_stride, scale_stride, H: tl.constexpr, I: tl.constexpr,
                      DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_I: tl.constexpr, LOAD: tl.constexpr):
+                     BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):
             return
@@ -271,10 +270,9 @@ if triton is not None:
         scale_ptr = s_ptr + slot * scale_stride + SCALES
         outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs of H
         out_ok = outs < H
-        cols = tl.arange(0, BLOCK_I)
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
         for i0 in range(0, I, BLOCK_I):
-            col = i0 + cols  # [BLOCK_I]
+            col = COLS(i0, BLOCK_I)  # [BLOCK_I] in the order of the loaded tile's columns
             col_ok = col < I
             a = tl.load(act_ptr + pairs[:, None] * I + col[None, :], mask=pair_ok[:, None] & col_ok[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_I]

@@ -14,6 +14,12 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no triton: only the torch path decodes
+    triton = None
+
 
 class ExpertFormat(ABC):
     name: ClassVar[str]  # the --expert-quant value
@@ -60,7 +66,15 @@ class ExpertFormat(ABC):
         """A @triton.jit function load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT) -> tile:
         rows [R] of the matrix at w_ptr (its scales at s_ptr), columns k0 + arange(BLOCK_K) (masked
         past K), decoded to fp32 or the stored float dtype; [R, BLOCK_K], or [BLOCK_K, R] if TRANSPOSE.
-        EVICT is tl.load's eviction_policy."""
+        EVICT is tl.load's eviction_policy. Its tile's columns are in the order `triton_cols` gives."""
+
+    @property
+    def triton_cols(self) -> Any:
+        """A @triton.jit function cols(k0, BLOCK_K) -> [BLOCK_K]: the column of the matrix at each
+        place of triton_load's tile, which holds the columns k0 .. k0 + BLOCK_K - 1 in this order.
+        In order, unless a format's bytes hold the columns of a tile in another order (GGUF's k-quants):
+        the kernels then load the vector's elements in that order rather than put the weights back."""
+        return columns_in_order
 
     @property
     def triton_dot(self) -> Any | None:
@@ -91,3 +105,10 @@ def pack_nibbles(values: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """pack_nibbles' inverse: [..., B] bytes -> [..., 2B] values in 0..15 (uint8)."""
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+if triton is not None:
+
+    @triton.jit
+    def columns_in_order(k0, BLOCK_K: tl.constexpr):
+        return k0 + tl.arange(0, BLOCK_K)

@@ -103,3 +103,18 @@ if triton is not None:
             group_mask = row_ok[:, None] & (first < K)[None, :]
         return (row_start + cols // BLOCK * BYTES, cols % BLOCK, mask,
                 row_start + first // BLOCK * BYTES, first % BLOCK, group_mask)
+
+    @triton.jit
+    def paired_nibble_cols(k0, BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
+        """The tile order of a format whose byte m of a run holds column m in its low nibble and column
+        SPAN + m in its high one (Q4_K: SPAN 32, Q6_K: 64): a tile of whole runs of 2 SPAN columns
+        holds each byte's two columns side by side, as its load joins the nibbles (so a run's bytes
+        are read once, contiguously, and never shuffled back into order); a narrower tile lies in one
+        nibble of its bytes and is in order."""
+        if BLOCK_K >= 2 * SPAN:
+            # built as the loads build the tile, by a join: the same columns as arithmetic on arange
+            # loaded wrong vectors on an H200 (Triton 3.6) at tiles of 8 runs or more
+            low = k0 + 2 * SPAN * tl.arange(0, BLOCK_K // (2 * SPAN))[:, None] + tl.arange(0, SPAN)[None, :]
+            return tl.reshape(tl.join(low, low + SPAN), (BLOCK_K,))
+        else:
+            return k0 + tl.arange(0, BLOCK_K)

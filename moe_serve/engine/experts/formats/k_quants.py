@@ -42,7 +42,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, paired_nibble_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -119,6 +119,14 @@ class Q4_K(_WithMin):
     def triton_load(self) -> Any:
         return _load_q4_k
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_q4_k
+
+    @property
+    def triton_cols(self) -> Any:
+        return _q4_k_cols
+
 
 @dataclass(frozen=True)
 class Q5_K(_WithMin):
@@ -130,6 +138,14 @@ class Q5_K(_WithMin):
     @property
     def triton_load(self) -> Any:
         return _load_q5_k
+
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_q5_k
+
+    @property
+    def triton_cols(self) -> Any:
+        return _q4_k_cols
 
 
 def _two_bit_planes(q: torch.Tensor) -> torch.Tensor:
@@ -262,41 +278,117 @@ class Q6_K(GgmlBlockFormat):
     def triton_load(self) -> Any:
         return _load_q6_k
 
+    @property
+    def triton_cols(self) -> Any:
+        return _q6_k_cols
+
 
 if triton is not None:
-    # Each weight's bytes are gathered by its column; the scales once per group of G columns that
-    # share a sub-block (the whole sub-block, or the tile where a tile is smaller than one).
+    # Q2_K and Q3_K gather each weight's bytes by its column, the scales once per group of G columns
+    # that share a sub-block (the whole sub-block, or the tile where a tile is smaller than one); Q4_K
+    # to Q6_K read runs of bytes contiguously (paired_nibble_cols).
+
+    @triton.jit
+    def _scale_min(block, sub, mask):
+        """Q4_K/Q5_K: the step d * scale and offset dmin * min of sub-block `sub` (0..7, any shape that
+        broadcasts with the block pointers `block`), as fp32."""
+        own = tl.load(block + (4 + sub), mask=mask, other=0)  # scale byte sub
+        fourth_on = tl.load(block + (8 + sub), mask=mask, other=0)  # byte sub + 4
+        first_four = tl.load(block + (4 + (sub & 3)), mask=mask, other=0)  # byte sub % 4
+        scale = tl.where(sub < 4, own & 63, (fourth_on & 15) | ((first_four >> 6) << 4))
+        low = tl.where(sub < 4, fourth_on & 63, (fourth_on >> 4) | ((own >> 6) << 4))
+        d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
+        dmin = tl.load((block + 2).to(FP16), mask=mask, other=0.0).to(tl.float32)
+        return d * scale.to(tl.float32), dmin * low.to(tl.float32)
+
+    @triton.jit
+    def _chunks_with_min(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr,
+                         HIGH_BIT: tl.constexpr):
+        """Q4_K/Q5_K's C chunks of 64 columns from k0 (a multiple of 64), each chunk's 32 bytes of qs read
+        contiguously: qs byte 32 c + l holds weight 64 c + l (sub-block 2 c) in its low nibble and
+        64 c + 32 + l (sub-block 2 c + 1) in its high one. Returns the codes of the low and high
+        nibbles [R, C, 32] (int32), each one's step and offset [R, C], the chunks [C] and the mask [R, C]."""
+        BYTES: tl.constexpr = 176 if HIGH_BIT else 144
+        QS: tl.constexpr = 48 if HIGH_BIT else 16
+        chunk = k0 // 64 + tl.arange(0, C)  # [C]
+        c = chunk % 4  # [C] the chunk in its super-block
+        block = w_ptr + rows[:, None] * (K // 256 * BYTES) + (chunk // 4 * BYTES)[None, :]  # [R, C]
+        mask = row_ok[:, None] & (chunk < K // 64)[None, :]  # [R, C]
+        lane = tl.arange(0, 32)
+        packed = tl.load(block[:, :, None] + (QS + 32 * c)[None, :, None] + lane[None, None, :],
+                         mask=mask[:, :, None], other=0, eviction_policy=EVICT).to(tl.int32)  # [R, C, 32]
+        low, high = packed & 15, packed >> 4
+        if HIGH_BIT:  # bit i of qh[l]: weight 32 i + l's fifth
+            qh = tl.load(block[:, :, None] + 16 + lane[None, None, :], mask=mask[:, :, None], other=0,
+                         eviction_policy=EVICT).to(tl.int32) >> (2 * c)[None, :, None]
+            low, high = low | ((qh & 1) << 4), high | ((qh & 2) << 3)
+        step_low, offset_low = _scale_min(block, (2 * c)[None, :], mask)  # [R, C]
+        step_high, offset_high = _scale_min(block, (2 * c + 1)[None, :], mask)
+        return low, high, step_low, offset_low, step_high, offset_high, chunk, mask
+
+    @triton.jit
+    def _narrow_with_min(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr,
+                         HIGH_BIT: tl.constexpr):
+        """Q4_K/Q5_K's columns k0 .. k0 + BLOCK_K (<= 32) of sub-block (k0 / 32) % 8, in order: [R, BLOCK_K]."""
+        BYTES: tl.constexpr = 176 if HIGH_BIT else 144
+        QS: tl.constexpr = 48 if HIGH_BIT else 16
+        sub = k0 // 32 % 8
+        block = w_ptr + rows[:, None] * (K // 256 * BYTES) + k0 // 256 * BYTES  # [R, 1]
+        place = k0 % 32 + tl.arange(0, BLOCK_K)  # [BLOCK_K] the lane
+        packed = tl.load(block + (QS + 32 * (sub // 2) + place)[None, :], mask=row_ok[:, None], other=0,
+                         eviction_policy=EVICT)  # [R, BLOCK_K]
+        q = (packed >> (4 * (sub % 2))) & 15
+        if HIGH_BIT:
+            qh = tl.load(block + (16 + place)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+            q = q | (((qh >> sub) & 1) << 4)
+        step, offset = _scale_min(block, sub, row_ok[:, None])  # [R, 1]
+        return q.to(tl.float32) * step - offset
 
     @triton.jit
     def _load_with_min(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                        EVICT: tl.constexpr, HIGH_BIT: tl.constexpr):
-        BYTES: tl.constexpr = 176 if HIGH_BIT else 144
-        QS: tl.constexpr = 48 if HIGH_BIT else 16
-        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K
+        """In paired_nibble_cols' order (SPAN 32): a tile of whole chunks joins each byte's two weights."""
         R: tl.constexpr = rows.shape[0]
-        block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, BYTES, G)
-        lane = place & 31
-        # weight p: byte 32 (p // 64) + p % 32 of qs, its high nibble when p // 32 is odd
-        packed = tl.load(block + (QS + ((place >> 1) & 96) + lane), mask=mask, other=0, eviction_policy=EVICT)
-        q = (packed >> ((place & 32) >> 3)) & 15  # [R, BLOCK_K]
-        if HIGH_BIT:  # bit p // 32 of qh[p % 32]
-            qh = tl.load(block + (16 + lane), mask=mask, other=0, eviction_policy=EVICT)
-            q = q | (((qh >> (place >> 5)) & 1) << 4)
-        sub = first >> 5  # [BLOCK_K / G] each group's sub-block, 0..7
-        own = tl.load(group + (4 + sub), mask=group_mask, other=0)  # scale byte sub
-        fourth_on = tl.load(group + (8 + sub), mask=group_mask, other=0)  # byte sub + 4
-        first_four = tl.load(group + (4 + (sub & 3)), mask=group_mask, other=0)  # byte sub % 4
-        scale = tl.where(sub < 4, own & 63, (fourth_on & 15) | ((first_four >> 6) << 4))
-        low = tl.where(sub < 4, fourth_on & 63, (fourth_on >> 4) | ((own >> 6) << 4))
-        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
-        dmin = tl.load((group + 2).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
-        step, offset = d * scale.to(tl.float32), dmin * low.to(tl.float32)
-        w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None] - offset[:, :, None]
-        w = tl.reshape(w, (R, BLOCK_K))
+        if BLOCK_K >= 64:
+            low, high, step_low, offset_low, step_high, offset_high, _, _ = _chunks_with_min(
+                w_ptr, rows, row_ok, k0, K, BLOCK_K // 64, EVICT, HIGH_BIT)
+            w = tl.join(low.to(tl.float32) * step_low[:, :, None] - offset_low[:, :, None],
+                        high.to(tl.float32) * step_high[:, :, None] - offset_high[:, :, None])  # [R, C, 32, 2]
+            w = tl.reshape(w, (R, BLOCK_K))
+        else:
+            w = _narrow_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT, HIGH_BIT)
         if TRANSPOSE:
             return tl.trans(w)
         else:
             return w
+
+    @triton.jit
+    def _dot_with_min(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr,
+                      HIGH_BIT: tl.constexpr):
+        """The rows' dot products with v over one tile (base.ExpertFormat.triton_dot) from the chunks as
+        read, no weight joined back: per chunk and nibble, sum(q v) times the step less sum(v) times the
+        offset. (The GEMV summing the joined tiles of 8 chunks or more across its loop gave wrong
+        sums on an H200 with Triton 3.6, where each tile's own products were right.)"""
+        if BLOCK_K >= 64:
+            C: tl.constexpr = BLOCK_K // 64
+            low, high, step_low, offset_low, step_high, offset_high, chunk, _ = _chunks_with_min(
+                w_ptr, rows, row_ok, k0, K, C, "evict_first", HIGH_BIT)
+            at = v_ptr + (64 * chunk)[:, None] + tl.arange(0, 32)[None, :]  # [C, 32] the low nibbles' columns
+            v_ok = (chunk < K // 64)[:, None]
+            v_low = tl.load(at, mask=v_ok, other=0.0).to(tl.float32)
+            v_high = tl.load(at + 32, mask=v_ok, other=0.0).to(tl.float32)
+            qv_low = tl.sum(low.to(tl.float32) * v_low[None, :, :], axis=2)  # [R, C]
+            qv_high = tl.sum(high.to(tl.float32) * v_high[None, :, :], axis=2)
+            return tl.sum(step_low * qv_low - offset_low * tl.sum(v_low, axis=1)[None, :]
+                          + step_high * qv_high - offset_high * tl.sum(v_high, axis=1)[None, :], axis=1)
+        else:
+            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            return tl.sum(_narrow_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT) * v[None, :],
+                          axis=1)
+
+    @triton.jit
+    def _q4_k_cols(k0, BLOCK_K: tl.constexpr):
+        return paired_nibble_cols(k0, BLOCK_K, 32)
 
     @triton.jit
     def _load_q4_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
@@ -307,6 +399,14 @@ if triton is not None:
     def _load_q5_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                    EVICT: tl.constexpr):
         return _load_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True)
+
+    @triton.jit
+    def _dot_q4_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_with_min(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, False)
+
+    @triton.jit
+    def _dot_q5_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_with_min(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, True)
 
     @triton.jit
     def _load_q2_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
@@ -357,20 +457,49 @@ if triton is not None:
     @triton.jit
     def _load_q6_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                    EVICT: tl.constexpr):
-        G: tl.constexpr = 16 if BLOCK_K > 16 else BLOCK_K
+        """In paired_nibble_cols' order (SPAN 64): ql byte 64 n + m of half n holds weights 128 n + m (low
+        nibble) and 128 n + 64 + m (high), whose top two bits are bits 2 a and 2 a + 4 of qh[32 n + m % 32]
+        (a = m // 32). A tile of whole halves reads each half's 64 ql bytes contiguously and joins
+        their nibbles; a narrower tile, one nibble of its bytes."""
         R: tl.constexpr = rows.shape[0]
-        block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, 210, G)
-        half = (place >> 7) << 5  # 32 per half of 128 weights
-        # weight p = 128 n + 32 j + l: ql[64 n + p % 64], its high nibble for j >= 2; bits 2 j of qh[32 n + l]
-        ql = tl.load(block + (half * 2 + (place & 63)), mask=mask, other=0, eviction_policy=EVICT)
-        qh = tl.load(block + (128 + half + (place & 31)), mask=mask, other=0, eviction_policy=EVICT)
-        q = ((ql >> ((place & 64) >> 4)) & 15) | (((qh >> ((place & 96) >> 4)) & 3) << 4)  # [R, BLOCK_K] 0..63
-        scale = tl.load(group + (192 + (first >> 4)), mask=group_mask, other=0)  # [R, BLOCK_K / G]
-        d = tl.load((group + 208).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
-        step = d * scale.to(tl.int8, bitcast=True).to(tl.float32)
-        w = tl.reshape((q - 32).to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None]
-        w = tl.reshape(w, (R, BLOCK_K))
+        row_start = w_ptr + rows * (K // 256 * 210)  # [R]
+        if BLOCK_K >= 128:
+            HALVES: tl.constexpr = BLOCK_K // 128
+            half = k0 // 128 + tl.arange(0, HALVES)  # [HALVES]
+            n = half % 2
+            block = row_start[:, None] + (half // 2 * 210)[None, :]  # [R, HALVES]
+            mask = row_ok[:, None] & (half < K // 128)[None, :]
+            m = tl.arange(0, 64)
+            ql = tl.load(block[:, :, None] + (64 * n)[None, :, None] + m[None, None, :], mask=mask[:, :, None], other=0,
+                         eviction_policy=EVICT)  # [R, HALVES, 64]
+            qh = tl.load(block[:, :, None] + (128 + 32 * n)[None, :, None] + (m % 32)[None, None, :],
+                         mask=mask[:, :, None], other=0, eviction_policy=EVICT) >> (2 * (m // 32))[None, None, :]
+            q_low = (((ql & 15) | ((qh & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
+            q_high = (((ql >> 4) | (((qh >> 4) & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
+            sixteens = tl.arange(0, 4)  # the half's sub-blocks of 16: low nibbles' 0..3, high ones' 4..7
+            at = block[:, :, None] + (192 + 8 * n)[None, :, None] + sixteens[None, None, :]  # [R, HALVES, 4]
+            sc_low = tl.load(at, mask=mask[:, :, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            sc_high = tl.load(at + 4, mask=mask[:, :, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            d = tl.load((block + 208).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None, None]  # [R, HALVES, 1, 1]
+            w_low = tl.reshape(tl.reshape(q_low, (R, HALVES, 4, 16)) * (d * sc_low[:, :, :, None]), (R, HALVES, 64))
+            w_high = tl.reshape(tl.reshape(q_high, (R, HALVES, 4, 16)) * (d * sc_high[:, :, :, None]), (R, HALVES, 64))
+            w = tl.reshape(tl.join(w_low, w_high), (R, BLOCK_K))
+        else:  # columns k0 .. k0 + BLOCK_K of one nibble of half (k0 / 128) % 2, in order
+            n = k0 // 128 % 2
+            nibble = k0 // 64 % 2
+            block = row_start[:, None] + k0 // 256 * 210  # [R, 1]
+            m = k0 % 64 + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+            ql = tl.load(block + (64 * n + m)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+            qh = tl.load(block + (128 + 32 * n + m % 32)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
+            q = ((ql >> (4 * nibble)) & 15) | (((qh >> (2 * (m // 32) + 4 * nibble)[None, :]) & 3) << 4)
+            sc = tl.load(block + (192 + 8 * n + 4 * nibble + m // 16)[None, :], mask=row_ok[:, None], other=0)
+            d = tl.load((block + 208).to(FP16), mask=row_ok[:, None], other=0.0).to(tl.float32)  # [R, 1]
+            w = (q.to(tl.int32) - 32).to(tl.float32) * (d * sc.to(tl.int8, bitcast=True).to(tl.float32))
         if TRANSPOSE:
             return tl.trans(w)
         else:
             return w
+
+    @triton.jit
+    def _q6_k_cols(k0, BLOCK_K: tl.constexpr):
+        return paired_nibble_cols(k0, BLOCK_K, 64)
