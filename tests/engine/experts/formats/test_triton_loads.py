@@ -24,12 +24,15 @@ ROWS = 6  # not a multiple of the 4 rows a program loads: the last program's row
 
 def load_cases(name: str) -> list[tuple[str, int, int]]:
     """(format, K, BLOCK_K) for K of three blocks (96 where K is free) and one block more, under
-    tiles from the kernels' narrowest (8, the tests' tiny configs) to wider than K, a quarter and half
+    tiles from the kernels' narrowest (8, the tests' tiny configs; 16 for blocks past 32) to wider than K, a quarter and half
     a block among them (where a k-quant's tile order changes)."""
     unit = max(expert_format(name, torch.float32).col_multiple, 8)  # no kernel tile is narrower than 8
+    # 8 only for blocks of at most 32: larger blocks' kernels run only on the GPU, under tiles no
+    # narrower than tl.dot's 16 (8-wide tiles over a K of 256-weight blocks took seconds a case here)
+    narrowest = 8 if unit <= 32 else 16
     k = 3 * max(unit, 32)
     return [(name, kk, block_k) for kk in (k, k + max(unit, 32))
-            for block_k in sorted({8, 16, max(unit // 4, 8), unit // 2, unit, 2 * unit, triton_tile_past(kk)})]
+            for block_k in sorted({narrowest, 16, max(unit // 4, 8), unit // 2, unit, 2 * unit, triton_tile_past(kk)})]
 
 
 def triton_tile_past(k: int) -> int:
