@@ -8,7 +8,7 @@ import torch
 from moe_serve.engine.graphs import GraphedDecode
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.messages import TokenLogprob
-from moe_serve.engine.sampling import (SequenceGenerator, apply_penalties, draw, forbid_stop_tokens, target_distribution,
+from moe_serve.engine.sampling import (sequence_generator, apply_penalties, draw, forbid_stop_tokens, target_distribution,
                              token_logprob)
 from moe_serve.engine.sequence import Sequence
 
@@ -93,14 +93,13 @@ class PlainDecoder:
     """One sequence at a time over a BoundModel (speculative decoding's prefill, references in tests
     and benchmarks); the engine's own plain decoding is batched (moe_serve/engine/model_runner.py)."""
 
-    def __init__(self, target: BoundModel, generator: SequenceGenerator | None = None) -> None:
+    def __init__(self, target: BoundModel) -> None:
         self.target = target
-        self.generator = SequenceGenerator() if generator is None else generator
 
     def step(self, seq: Sequence, max_model_len: int) -> None:
         pending = seq.all_ids[self.target.kv.length :]  # prompt on the first step, else the last token
         logits = self.target.forward(pending, last_only=True)[-1]  # [V]
-        token, logprob = choose_token(seq, logits, self.generator(seq))
+        token, logprob = choose_token(seq, logits, sequence_generator(seq))
         seq.append(token, logprob, max_model_len)
 
     def reset(self) -> None:

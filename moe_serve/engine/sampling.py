@@ -106,19 +106,12 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(token_id=token, logprob=float(logp[token]), top=alternatives)
 
 
-class SequenceGenerator:
-    """The CPU generator of the one sequence a single-sequence decoder serves (speculative decoding),
-    seeded from seq.seed whenever the sequence changes."""
-
-    def __init__(self) -> None:
-        self._owner: object | None = None
-        self._generator = torch.Generator()
-
-    def __call__(self, seq) -> torch.Generator:  # seq: engine.sequence.Sequence
-        if self._owner is not seq:
-            self._owner = seq
-            self._generator.manual_seed(seq.seed)
-        return self._generator
+def sequence_generator(seq) -> torch.Generator:  # seq: engine.sequence.Sequence
+    """The sequence's own CPU generator for the draws made outside the batched sampler (one-sequence
+    decoding, speculation's drafts and accept/reject), seeded from seq.seed on first use."""
+    if seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(seq.seed)
+    return seq.generator
 
 
 def make_generator(seed: int | None) -> torch.Generator:

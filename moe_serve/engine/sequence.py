@@ -49,8 +49,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     grammar: GrammarMatcher | None = None  # where its constrained output stands (params.structured)
-    # batched speculation's random draws (a torch.Generator seeded from `seed` on first use)
-    spec_generator: object | None = None
+    # the draws outside the batched sampler (sampling.sequence_generator: seeded from `seed` on first use)
+    generator: object | None = None
 
     @classmethod
     def from_request(cls, request: GenerateRequest) -> "Sequence":

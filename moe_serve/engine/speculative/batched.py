@@ -35,7 +35,7 @@ import torch
 
 from moe_serve.engine.decode import PendingLogits
 from moe_serve.engine.model_runner import ChunkResult, Feed, ModelRunner
-from moe_serve.engine.sampling import apply_penalties
+from moe_serve.engine.sampling import apply_penalties, sequence_generator
 from moe_serve.engine.scheduler import ScheduledChunk
 from moe_serve.engine.sequence import Sequence
 from moe_serve.engine.speculative.config import SpecConfig
@@ -81,7 +81,7 @@ class BatchedSpeculator:
         for seq, drafts, fed in zip(verified.seqs, verified.drafts, verified.draft_fed):
             rows = verified.logits[offset : offset + len(drafts) + 1]  # [n+1, V]
             offset += len(drafts) + 1
-            kept = accept(seq, drafts, rows, self.config, _generator(seq), max_model_len)
+            kept = accept(seq, drafts, rows, self.config, sequence_generator(seq), max_model_len)
             seq.num_computed_tokens = seq.num_tokens - 1
             if self.draft is not None:
                 seq.num_draft_computed_tokens = min(fed, seq.num_tokens - 1)
@@ -105,17 +105,10 @@ class BatchedSpeculator:
                 seq = seqs[i]
                 fed[i] += len(feed.token_ids)
                 penalised = apply_penalties(logits[row], seq.params, counts[i])  # [V]
-                drafts[i].append(propose(seq, penalised, _generator(seq)))
+                drafts[i].append(propose(seq, penalised, sequence_generator(seq)))
                 counts[i][drafts[i][-1].token] += 1
                 if not (len(drafts[i]) == budgets[i]
                         or drafting_stops(seq, drafts[i][-1].token, penalised, self.config.confidence)):
                     still.append(i)
             active = still
         return drafts, fed
-
-
-def _generator(seq: Sequence) -> torch.Generator:
-    """The sequence's own generator for speculation's draws, seeded from its seed on first use."""
-    if seq.spec_generator is None:
-        seq.spec_generator = torch.Generator().manual_seed(seq.seed)
-    return seq.spec_generator

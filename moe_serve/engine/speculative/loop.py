@@ -25,7 +25,7 @@ import torch
 
 from moe_serve.engine.decode import BoundModel, PendingLogits, PlainDecoder, choose_token
 from moe_serve.engine.kv_cache import KVCache
-from moe_serve.engine.sampling import SequenceGenerator, apply_penalties, draw, target_distribution, token_logprob
+from moe_serve.engine.sampling import apply_penalties, draw, sequence_generator, target_distribution, token_logprob
 from moe_serve.engine.sequence import Sequence
 from moe_serve.engine.speculative.acceptance import AcceptRule, verify_position
 from moe_serve.engine.speculative.adaptive import AdaptiveGamma, AdaptiveGammaConfig
@@ -104,8 +104,7 @@ class SpecDecoder:
                  predictor: CrossModelPredictor | None = None, stats: SpecStats | None = None) -> None:
         self.target, self.drafter, self.config, self.predictor = target, drafter, config, predictor
         self.stats = SpecStats() if stats is None else stats
-        self.generator = SequenceGenerator()
-        self.prefill = PlainDecoder(target, self.generator)
+        self.prefill = PlainDecoder(target)
         self.adaptive = AdaptiveGamma(AdaptiveGammaConfig(config.gamma)) if config.adaptive_gamma else None
 
     def step(self, seq: Sequence, max_model_len: int) -> None:
@@ -140,7 +139,7 @@ class SpecDecoder:
         while pending is not None:
             logits = apply_penalties(pending.result()[-1], seq.params, counts)  # [V]
             predicted = None if self.predictor is None else self.predictor.predictions()
-            drafts.append(propose(seq, logits, self.generator(seq)))
+            drafts.append(propose(seq, logits, sequence_generator(seq)))
             ids = ids + [drafts[-1].token]
             counts[drafts[-1].token] += 1  # the next draft position sees this token's penalty, as verify will
             done = len(drafts) == budget or drafting_stops(seq, drafts[-1].token, logits, self.config.confidence)
@@ -164,7 +163,7 @@ class SpecDecoder:
             return self.target.forward(ids)
 
     def _accept(self, seq: Sequence, drafts: list[Drafted], logits: torch.Tensor, max_model_len: int) -> int:
-        return accept(seq, drafts, logits, self.config, self.generator(seq), max_model_len)
+        return accept(seq, drafts, logits, self.config, sequence_generator(seq), max_model_len)
 
     def _rollback(self, length: int) -> None:
         self._truncate(self.target.kv, length)
