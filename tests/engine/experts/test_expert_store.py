@@ -68,3 +68,23 @@ def test_layers_of_different_layouts_share_one_row_length() -> None:
         store.layout
     with pytest.raises(ValueError, match="differ in element type"):
         ExpertStore(2, E, [layouts[0], ExpertLayout(32, 32, torch.float32)])
+
+
+def test_only_a_cuda_store_encodes_on_its_device() -> None:
+    assert ExpertStore.for_device(1, E, ExpertLayout(H, I, torch.float32), "cpu").encode_on is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quant", ["int8", "int4", "fp8", "mxfp4", "q8_0", "q4_k", "q6_k", "iq4_xs"])
+def test_cuda_encoding_at_load_writes_the_bytes_the_cpu_encoding_does(quant) -> None:
+    h, i = 256, 512  # whole blocks of every format
+    layout = ExpertLayout(h, i, torch.bfloat16, expert_format(quant, torch.bfloat16))
+    on_gpu, on_cpu = ExpertStore.for_device(1, 2, layout, "cuda"), ExpertStore(1, 2, layout)
+    assert on_gpu.encode_on == torch.device("cuda")
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(2, 2 * i, h, generator=g) / h**0.5).bfloat16()
+    down = (torch.randn(2, h, i, generator=g) / i**0.5).bfloat16()
+    for store in (on_gpu, on_cpu):
+        store.put_fused(0, gate_up=gate_up, down=down)
+        store.put(0, 1, down=down[0])
+    assert torch.equal(on_gpu.rows, on_cpu.rows)
