@@ -8,7 +8,7 @@ import torch
 from moe_serve.engine.graphs import GraphedDecode
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.messages import TokenLogprob
-from moe_serve.engine.sampling import (sequence_generator, apply_penalties, draw, forbid_stop_tokens, target_distribution,
+from moe_serve.engine.sampling import (apply_penalties, draw, forbid_stop_tokens, sequence_generator, target_distribution,
                              token_logprob)
 from moe_serve.engine.sequence import Sequence
 

@@ -111,10 +111,8 @@ if triton is not None:
         holds each byte's two columns side by side, as its load joins the nibbles (so a run's bytes
         are read once, contiguously, and never shuffled back into order); a narrower tile lies in one
         nibble of its bytes and is in order."""
-        if BLOCK_K >= 2 * SPAN:
-            # built as the loads build the tile, by a join: the same columns as arithmetic on arange
-            # loaded wrong vectors on an H200 (Triton 3.6) at tiles of 8 runs or more
-            low = k0 + 2 * SPAN * tl.arange(0, BLOCK_K // (2 * SPAN))[:, None] + tl.arange(0, SPAN)[None, :]
-            return tl.reshape(tl.join(low, low + SPAN), (BLOCK_K,))
+        p = tl.arange(0, BLOCK_K)
+        if BLOCK_K >= 2 * SPAN:  # place p: run p // 2 SPAN, nibble p % 2, byte (p % 2 SPAN) // 2
+            return k0 + (p // (2 * SPAN)) * (2 * SPAN) + (p % 2) * SPAN + (p % (2 * SPAN)) // 2
         else:
-            return k0 + tl.arange(0, BLOCK_K)
+            return k0 + p
