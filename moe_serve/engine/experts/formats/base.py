@@ -88,10 +88,17 @@ class ExpertFormat(ABC):
         return self.name
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor, correctly rounded on every device. CUDA divides a tensor by a Python number as a
+    multiply by the number's reciprocal, at times 1 ulp off the quotient; encoders divide through
+    this so that experts encoded on the GPU at load get the bytes the CPU encoding writes."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 def absmax_scales(w: torch.Tensor, qmax: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Symmetric scales over w's last dim, kept as a dim of 1: absmax / qmax in `dtype`. A range of 0
     (an all-zero row or group, or one below dtype's range) gets scale 1, so it encodes as zeros."""
-    scales = (w.abs().amax(dim=-1, keepdim=True) / qmax).to(dtype)
+    scales = divide(w.abs().amax(dim=-1, keepdim=True), qmax).to(dtype)
     return torch.where(scales > 0, scales, 1.0)
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from moe_serve.engine.experts.formats.base import (
     ExpertFormat,
+    divide,
     pack_nibbles,
     unpack_nibbles,
 )
@@ -81,7 +82,7 @@ class Int4ZeroPoint(ExpertFormat):
         self.check_shape(*w.shape[-2:])
         groups = w.float().unflatten(-1, (-1, self.group_size))  # [..., N, G, g]
         low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)  # [..., N, G]
-        scales = _fp16_at_least((high - low) / QMAX)  # [..., N, G]
+        scales = _fp16_at_least(divide(high - low, QMAX))  # [..., N, G]
         zeros = (-low / scales.float()).round_().clamp_(0, QMAX)  # [..., N, G]
         codes = (groups / scales.float()[..., None]).round_().add_(zeros[..., None]).clamp_(0, QMAX).flatten(-2)
         return self.pack(codes.to(torch.uint8), zeros.to(torch.uint8), scales)

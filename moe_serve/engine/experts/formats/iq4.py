@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from moe_serve.engine.experts.formats.base import divide
 from moe_serve.engine.experts.formats.ggml_block import (
     GgmlBlockFormat,
     fp16_bytes,
@@ -65,7 +66,7 @@ def _levels_of(codes: torch.Tensor) -> torch.Tensor:
 
 def _largest_over_first_level(w: torch.Tensor) -> torch.Tensor:
     """Per group of w [..., n], its weight of largest magnitude (sign kept) / -127: [...]."""
-    return w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0] / LEVELS[0]
+    return divide(w.gather(-1, w.abs().argmax(-1, keepdim=True))[..., 0], LEVELS[0])
 
 
 def _codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
@@ -104,7 +105,7 @@ class IQ4_XS(GgmlBlockFormat):
     def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
         sub = w.unflatten(-1, (8, 32))  # [..., 8, 32]
         steps = _largest_over_first_level(sub)  # [..., 8]
-        d = (steps.abs().amax(-1) / 31).half().float()  # [...]
+        d = divide(steps.abs().amax(-1), 31).half().float()  # [...]
         scales = torch.where(d[..., None] > 0, steps / d[..., None], 0.0).round_().clamp_(-32, 31)  # [..., 8]
         codes = _codes(sub, d[..., None] * scales)  # [..., 8, 32]
         stored = (scales + 32).to(torch.int32)  # 0..63

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from moe_serve.engine.experts.formats.base import divide
 from moe_serve.engine.experts.formats.ggml_block import (
     GgmlBlockFormat,
     fp16_bytes,
@@ -83,9 +84,9 @@ class _WithMin(GgmlBlockFormat):
         qmax = 2**self.bits - 1
         sub = w.unflatten(-1, (8, 32))  # [..., 8, 32]
         low = sub.amin(-1).clamp(max=0.0)  # [..., 8] stored as a min >= 0 to subtract
-        ranges, mins = (sub.amax(-1) - low) / qmax, -low
-        d = (ranges.amax(-1) / 63).half().float()  # [...]
-        dmin = (mins.amax(-1) / 63).half().float()
+        ranges, mins = divide(sub.amax(-1) - low, qmax), -low
+        d = divide(ranges.amax(-1), 63).half().float()  # [...]
+        dmin = divide(mins.amax(-1), 63).half().float()
         scales, min_codes = _codes(ranges, d[..., None], 63), _codes(mins, dmin[..., None], 63)  # [..., 8]
         step, offset = (d[..., None] * scales)[..., None], (dmin[..., None] * min_codes)[..., None]
         q = _codes(sub + offset, step, qmax).to(torch.uint8)  # [..., 8, 32]
@@ -176,9 +177,9 @@ class Q2_K(GgmlBlockFormat):
     def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
         sub = w.unflatten(-1, (16, 16))  # [..., 16, 16]
         low = sub.amin(-1).clamp(max=0.0)  # [..., 16] stored as a min >= 0 to subtract
-        ranges, mins = (sub.amax(-1) - low) / 3, -low
-        d = (ranges.amax(-1) / 15).half().float()  # [...]
-        dmin = (mins.amax(-1) / 15).half().float()
+        ranges, mins = divide(sub.amax(-1) - low, 3), -low
+        d = divide(ranges.amax(-1), 15).half().float()  # [...]
+        dmin = divide(mins.amax(-1), 15).half().float()
         scales, min_codes = _codes(ranges, d[..., None], 15), _codes(mins, dmin[..., None], 15)  # [..., 16]
         step, offset = (d[..., None] * scales)[..., None], (dmin[..., None] * min_codes)[..., None]
         q = _codes(sub + offset, step, 3).flatten(-2)  # [..., 256]
@@ -216,7 +217,7 @@ class Q3_K(GgmlBlockFormat):
     def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
         sub = w.unflatten(-1, (16, 16))  # [..., 16, 16]
         steps = sub.gather(-1, sub.abs().argmax(-1, keepdim=True))[..., 0] / -4  # [..., 16]
-        d = (steps.abs().amax(-1) / 31).half().float()  # [...]
+        d = divide(steps.abs().amax(-1), 31).half().float()  # [...]
         scales = _codes(steps, d[..., None], 31, -31)  # [..., 16]
         q = (_codes(sub, (d[..., None] * scales)[..., None], 3, -4) + 4).to(torch.int32).flatten(-2)  # [..., 256] 0..7
         high = (q >> 2).unflatten(-1, (8, 32))  # [..., 4 n + j, l]
@@ -255,8 +256,8 @@ class Q6_K(GgmlBlockFormat):
 
     def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
         sub = w.unflatten(-1, (16, 16))  # [..., 16, 16]
-        ranges = sub.abs().amax(-1) / 31  # [..., 16]: +-absmax on codes -31..31 of -32..31
-        d = (ranges.amax(-1) / 127).half().float()  # [...]
+        ranges = divide(sub.abs().amax(-1), 31)  # [..., 16]: +-absmax on codes -31..31 of -32..31
+        d = divide(ranges.amax(-1), 127).half().float()  # [...]
         scales = _codes(ranges, d[..., None], 127)  # [..., 16]
         q = (_codes(sub, (d[..., None] * scales)[..., None], 31, -32) + 32).to(torch.uint8)  # [..., 16, 16]
         q = q.flatten(-2).unflatten(-1, (2, 4, 32))  # [..., half, j, l]

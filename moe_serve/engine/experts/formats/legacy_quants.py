@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from moe_serve.engine.experts.formats.base import divide
 from moe_serve.engine.experts.formats.ggml_block import (
     GgmlBlockFormat,
     fp16_bytes,
@@ -61,7 +62,7 @@ class _LegacyBlock(GgmlBlockFormat):
         levels = 2**self.bits
         if self.with_min:
             low = w.amin(-1, keepdim=True)  # [..., 1]
-            d = (w.amax(-1, keepdim=True) - low) / (levels - 1)
+            d = divide(w.amax(-1, keepdim=True) - low, levels - 1)
             inverse = torch.where(d == 0, 0.0, 1 / d)
             q = ((w - low) * inverse + 0.5).trunc()
         else:

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from moe_serve.engine.experts.formats.base import divide
 from moe_serve.engine.experts.formats.ggml_block import (
     GgmlBlockFormat,
     fp16_bytes,
@@ -40,7 +41,7 @@ class Q8_0(GgmlBlockFormat):
     col_multiple: ClassVar[int] = BLOCK
 
     def encode_blocks(self, w: torch.Tensor) -> torch.Tensor:
-        d = w.abs().amax(-1, keepdim=True) / 127  # [..., 1] fp32, stored as fp16
+        d = divide(w.abs().amax(-1, keepdim=True), 127)  # [..., 1] fp32, stored as fp16
         scaled = (w * torch.where(d > 0, 1 / d, 0.0)).abs()
         whole = scaled.floor()
         q = torch.copysign(whole + (2 * (scaled - whole)).floor(), w)  # half away from zero, as llama.cpp's roundf
