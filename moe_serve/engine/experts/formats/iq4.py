@@ -41,7 +41,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, paired_nibble_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -93,6 +93,14 @@ class IQ4_NL(GgmlBlockFormat):
     def triton_load(self) -> Any:
         return _load_iq4_nl
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_iq4_nl
+
+    @property
+    def triton_cols(self) -> Any:
+        return _cols
+
 
 @dataclass(frozen=True)
 class IQ4_XS(GgmlBlockFormat):
@@ -128,6 +136,14 @@ class IQ4_XS(GgmlBlockFormat):
     def triton_load(self) -> Any:
         return _load_iq4_xs
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_iq4_xs
+
+    @property
+    def triton_cols(self) -> Any:
+        return _cols
+
 
 if triton is not None:
     _LEVELS_0 = tl.constexpr(_packed_levels(0))
@@ -143,25 +159,21 @@ if triton is not None:
         return ((byte << 24) >> 24).to(tl.float32)  # sign-extended
 
     @triton.jit
-    def _load_iq4_nl(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                     TRANSPOSE: tl.constexpr, EVICT: tl.constexpr):
-        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns of the tile that share one block's d
+    def _gathered_iq4_nl(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+        """Columns k0 .. k0 + BLOCK_K (< 32: one nibble of one block) in order, gathered by column."""
+        G: tl.constexpr = BLOCK_K
         R: tl.constexpr = rows.shape[0]
         block, place, mask, group, _, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, 18, G)
         packed = tl.load(block + (2 + (place & 15)), mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
         q = (packed >> ((place >> 4) << 2)) & 15  # [R, BLOCK_K]
         d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
         w = tl.reshape(_level(q), (R, BLOCK_K // G, G)) * d[:, :, None]
-        w = tl.reshape(w, (R, BLOCK_K))
-        if TRANSPOSE:
-            return tl.trans(w)
-        else:
-            return w
+        return tl.reshape(w, (R, BLOCK_K))
 
     @triton.jit
-    def _load_iq4_xs(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                     TRANSPOSE: tl.constexpr, EVICT: tl.constexpr):
-        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns sharing one sub-block's scale
+    def _gathered_iq4_xs(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+        """Columns k0 .. k0 + BLOCK_K (< 32: one nibble of one sub-block) in order, gathered by column."""
+        G: tl.constexpr = BLOCK_K
         R: tl.constexpr = rows.shape[0]
         block, place, mask, group, first, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 256, 136, G)
         # weight p: sub-block p // 32's byte p % 16, its high nibble for p % 32 >= 16
@@ -174,8 +186,84 @@ if triton is not None:
         d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
         step = d * ((low | (high << 4)) - 32).to(tl.float32)
         w = tl.reshape(_level(q), (R, BLOCK_K // G, G)) * step[:, :, None]
-        w = tl.reshape(w, (R, BLOCK_K))
+        return tl.reshape(w, (R, BLOCK_K))
+
+    # A tile of whole 32-weight runs (IQ4_NL's blocks, IQ4_XS's sub-blocks) reads each run's 16 bytes
+    # contiguously, in paired_nibble_cols' order (SPAN 16); a narrower one gathers by column, in order.
+
+    @triton.jit
+    def _cols(k0, BLOCK_K: tl.constexpr):
+        return paired_nibble_cols(k0, BLOCK_K, 16)
+
+    @triton.jit
+    def _runs(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr, XS: tl.constexpr):
+        """The C runs of 32 weights from k0 (a multiple of 32): the codes of their bytes' low and high
+        nibbles [R, C, 16] (weights j and 16 + j), each run's step [R, C], the runs [C]."""
+        run = k0 // 32 + tl.arange(0, C)  # [C]
+        mask = row_ok[:, None] & (run < K // 32)[None, :]
+        if XS:  # sub-block run % 8 of super-block run // 8: codes at 8 + 16 (run % 8)
+            sub = run % 8
+            block = w_ptr + rows[:, None] * (K // 256 * 136) + (run // 8 * 136)[None, :]  # [R, C]
+            qs = block + (8 + 16 * sub)[None, :]
+            low = (tl.load(block + (4 + (sub >> 1))[None, :], mask=mask, other=0).to(tl.int32)
+                   >> ((sub & 1) << 2)[None, :]) & 15
+            high = (tl.load(block + (2 + (sub >> 2))[None, :], mask=mask, other=0).to(tl.int32)
+                    >> ((sub & 3) << 1)[None, :]) & 3
+            step = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32) * ((low | (high << 4)) - 32).to(tl.float32)
+        else:
+            block = w_ptr + rows[:, None] * (K // 32 * 18) + (run * 18)[None, :]
+            qs = block + 2
+            step = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
+        packed = tl.load(qs[:, :, None] + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
+                         eviction_policy=EVICT).to(tl.int32)  # [R, C, 16]
+        return packed & 15, packed >> 4, step, run
+
+    @triton.jit
+    def _load_runs(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr, XS: tl.constexpr):
+        R: tl.constexpr = rows.shape[0]
+        if BLOCK_K >= 32:
+            low, high, step, _ = _runs(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, EVICT, XS)
+            w = tl.reshape(tl.join(_level(low) * step[:, :, None], _level(high) * step[:, :, None]), (R, BLOCK_K))
+        elif XS:
+            w = _gathered_iq4_xs(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT)
+        else:
+            w = _gathered_iq4_nl(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT)
         if TRANSPOSE:
             return tl.trans(w)
         else:
             return w
+
+    @triton.jit
+    def _dot_runs(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr, XS: tl.constexpr):
+        """Per run, step * sum(level[q] v) over both nibbles (base.ExpertFormat.triton_dot)."""
+        if BLOCK_K >= 32:
+            low, high, step, run = _runs(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first", XS)
+            at = v_ptr + (32 * run)[:, None] + tl.arange(0, 16)[None, :]  # [C, 16] the low nibbles' columns
+            v_ok = (run < K // 32)[:, None]
+            v_low = tl.load(at, mask=v_ok, other=0.0).to(tl.float32)
+            v_high = tl.load(at + 16, mask=v_ok, other=0.0).to(tl.float32)
+            return tl.sum(step * tl.sum(_level(low) * v_low[None, :, :] + _level(high) * v_high[None, :, :], axis=2),
+                          axis=1)
+        else:
+            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            w = _load_runs(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", XS)
+            return tl.sum(w * v[None, :], axis=1)
+
+    @triton.jit
+    def _load_iq4_nl(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, EVICT: tl.constexpr):
+        return _load_runs(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, False)
+
+    @triton.jit
+    def _load_iq4_xs(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, EVICT: tl.constexpr):
+        return _load_runs(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True)
+
+    @triton.jit
+    def _dot_iq4_nl(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_runs(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, False)
+
+    @triton.jit
+    def _dot_iq4_xs(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_runs(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, True)

@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, paired_nibble_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -88,6 +88,10 @@ class _LegacyBlock(GgmlBlockFormat):
             return d * q.float() + fp16_field(blocks, 2)[..., None]
         return d * (q - 2 ** (self.bits - 1)).float()
 
+    @property
+    def triton_cols(self) -> Any:
+        return _cols
+
 
 @dataclass(frozen=True)
 class Q4_0(_LegacyBlock):
@@ -100,6 +104,10 @@ class Q4_0(_LegacyBlock):
     @property
     def triton_load(self) -> Any:
         return _load_q4_0
+
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_q4_0
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,10 @@ class Q4_1(_LegacyBlock):
     def triton_load(self) -> Any:
         return _load_q4_1
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_q4_1
+
 
 @dataclass(frozen=True)
 class Q5_0(_LegacyBlock):
@@ -126,6 +138,10 @@ class Q5_0(_LegacyBlock):
     @property
     def triton_load(self) -> Any:
         return _load_q5_0
+
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_q5_0
 
 
 @dataclass(frozen=True)
@@ -140,36 +156,104 @@ class Q5_1(_LegacyBlock):
     def triton_load(self) -> Any:
         return _load_q5_1
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot_q5_1
+
 
 if triton is not None:
+    U16 = tl.constexpr(tl.pointer_type(tl.uint16))
+    # A tile of whole blocks reads each block's 16 qs bytes contiguously, in paired_nibble_cols' order
+    # (SPAN 16); a narrower one lies in one nibble of its bytes and gathers them by column, in order.
 
     @triton.jit
-    def _load_legacy(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
-                     EVICT: tl.constexpr, HIGH_BIT: tl.constexpr, WITH_MIN: tl.constexpr):
+    def _cols(k0, BLOCK_K: tl.constexpr):
+        return paired_nibble_cols(k0, BLOCK_K, 16)
+
+    @triton.jit
+    def _blocks(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr,
+                HIGH_BIT: tl.constexpr, WITH_MIN: tl.constexpr):
+        """The C blocks from k0 (a multiple of 32): the codes of qs's low and high nibbles [R, C, 16]
+        (weights j and 16 + j of each block; centred where the type is symmetric; fifth bits in), d
+        and m [R, C] (m 0 where the type has none), the blocks [C] and the mask [R, C]."""
         QH: tl.constexpr = 4 if WITH_MIN else 2
         QS: tl.constexpr = QH + 4 if HIGH_BIT else QH
         BYTES: tl.constexpr = QS + 16
-        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns of the tile that share one block's d
-        R: tl.constexpr = rows.shape[0]
-        block, place, mask, group, _, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, BYTES, G)
+        blk = k0 // 32 + tl.arange(0, C)  # [C]
+        block = w_ptr + rows[:, None] * (K // 32 * BYTES) + (blk * BYTES)[None, :]  # [R, C]
+        mask = row_ok[:, None] & (blk < K // 32)[None, :]
+        lane = tl.arange(0, 16)
+        packed = tl.load(block[:, :, None] + QS + lane[None, None, :], mask=mask[:, :, None], other=0,
+                         eviction_policy=EVICT).to(tl.int32)  # [R, C, 16]
+        low, high = packed & 15, packed >> 4
+        if HIGH_BIT:  # weight p's fifth bit: bit p of qh, read as two 16-bit words (2-byte aligned in both types)
+            qh_low = tl.load((block + QH).to(U16), mask=mask, other=0).to(tl.int32)  # [R, C] weights 0..15
+            qh_high = tl.load((block + QH + 2).to(U16), mask=mask, other=0).to(tl.int32)  # weights 16..31
+            low |= ((qh_low[:, :, None] >> lane[None, None, :]) & 1) << 4
+            high |= ((qh_high[:, :, None] >> lane[None, None, :]) & 1) << 4
+        d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
+        if WITH_MIN:
+            m = tl.load((block + 2).to(FP16), mask=mask, other=0.0).to(tl.float32)
+        else:
+            low, high = low - (16 if HIGH_BIT else 8), high - (16 if HIGH_BIT else 8)
+            m = tl.zeros_like(d)
+        return low, high, d, m, blk, mask
+
+    @triton.jit
+    def _gathered(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr,
+                  HIGH_BIT: tl.constexpr, WITH_MIN: tl.constexpr):
+        """Columns k0 .. k0 + BLOCK_K (< 32: one nibble of one block's bytes) in order, each weight's
+        bytes gathered by its column: [R, BLOCK_K]."""
+        QH: tl.constexpr = 4 if WITH_MIN else 2
+        QS: tl.constexpr = QH + 4 if HIGH_BIT else QH
+        BYTES: tl.constexpr = QS + 16
+        block, place, mask, first, _, first_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, BYTES, BLOCK_K)
         # weight p: qs[p % 16], its high nibble from p = 16 on; its fifth bit, bit p % 8 of qh's byte p // 8
         packed = tl.load(block + (QS + (place & 15)), mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
         q = (packed >> ((place >> 4) << 2)) & 15  # [R, BLOCK_K]
         if HIGH_BIT:
             qh = tl.load(block + (QH + (place >> 3)), mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
             q = q | (((qh >> (place & 7)) & 1) << 4)
-        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
+        d = tl.load(first.to(FP16), mask=first_mask, other=0.0).to(tl.float32)  # [R, 1] the tile's one block's
         if WITH_MIN:
-            m = tl.load((group + 2).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
-            w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * d[:, :, None] + m[:, :, None]
+            return q.to(tl.float32) * d + tl.load((first + 2).to(FP16), mask=first_mask, other=0.0).to(tl.float32)
         else:
-            centred = q - (16 if HIGH_BIT else 8)
-            w = tl.reshape(centred.to(tl.float32), (R, BLOCK_K // G, G)) * d[:, :, None]
-        w = tl.reshape(w, (R, BLOCK_K))
+            return (q - (16 if HIGH_BIT else 8)).to(tl.float32) * d
+
+    @triton.jit
+    def _load_legacy(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                     EVICT: tl.constexpr, HIGH_BIT: tl.constexpr, WITH_MIN: tl.constexpr):
+        R: tl.constexpr = rows.shape[0]
+        if BLOCK_K >= 32:
+            low, high, d, m, _, _ = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, EVICT, HIGH_BIT, WITH_MIN)
+            w = tl.join(low.to(tl.float32) * d[:, :, None] + m[:, :, None],
+                        high.to(tl.float32) * d[:, :, None] + m[:, :, None])  # [R, C, 16, 2]
+            w = tl.reshape(w, (R, BLOCK_K))
+        else:
+            w = _gathered(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT, HIGH_BIT, WITH_MIN)
         if TRANSPOSE:
             return tl.trans(w)
         else:
             return w
+
+    @triton.jit
+    def _dot_legacy(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr,
+                    HIGH_BIT: tl.constexpr, WITH_MIN: tl.constexpr):
+        """The rows' dot products with v over one tile from the blocks as read: per block,
+        d * sum(q v) + m * sum(v) over both nibbles (base.ExpertFormat.triton_dot)."""
+        if BLOCK_K >= 32:
+            low, high, d, m, blk, _ = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first",
+                                              HIGH_BIT, WITH_MIN)
+            at = v_ptr + (32 * blk)[:, None] + tl.arange(0, 16)[None, :]  # [C, 16] the low nibbles' columns
+            v_ok = (blk < K // 32)[:, None]
+            v_low = tl.load(at, mask=v_ok, other=0.0).to(tl.float32)
+            v_high = tl.load(at + 16, mask=v_ok, other=0.0).to(tl.float32)
+            qv = tl.sum(low.to(tl.float32) * v_low[None, :, :] + high.to(tl.float32) * v_high[None, :, :], axis=2)
+            return tl.sum(d * qv + m * tl.sum(v_low + v_high, axis=1)[None, :], axis=1)
+        else:
+            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            w = _gathered(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT, WITH_MIN)
+            return tl.sum(w * v[None, :], axis=1)
 
     @triton.jit
     def _load_q4_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
@@ -177,9 +261,17 @@ if triton is not None:
         return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, False, False)
 
     @triton.jit
+    def _dot_q4_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, False, False)
+
+    @triton.jit
     def _load_q4_1(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                    EVICT: tl.constexpr):
         return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, False, True)
+
+    @triton.jit
+    def _dot_q4_1(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, False, True)
 
     @triton.jit
     def _load_q5_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
@@ -187,6 +279,14 @@ if triton is not None:
         return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True, False)
 
     @triton.jit
+    def _dot_q5_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, True, False)
+
+    @triton.jit
     def _load_q5_1(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                    EVICT: tl.constexpr):
         return _load_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True, True)
+
+    @triton.jit
+    def _dot_q5_1(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_legacy(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, True, True)

@@ -28,7 +28,7 @@ try:
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
-BLOCK = 32  # also written in _load
+BLOCK = 32  # also written in the loads below
 BLOCK_BYTES = 34
 
 
@@ -54,20 +54,55 @@ class Q8_0(GgmlBlockFormat):
     def triton_load(self) -> Any:
         return _load
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot
+
 
 if triton is not None:
+    # A tile of whole blocks reads each block's 32 codes contiguously; a narrower one lies in one block.
+
+    @triton.jit
+    def _blocks(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr):
+        """The C blocks from k0 (a multiple of 32): codes [R, C, 32] (fp32), d [R, C], the blocks [C]."""
+        blk = k0 // 32 + tl.arange(0, C)  # [C]
+        block = w_ptr + rows[:, None] * (K // 32 * 34) + (blk * 34)[None, :]  # [R, C]
+        mask = row_ok[:, None] & (blk < K // 32)[None, :]
+        q = tl.load(block[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=mask[:, :, None], other=0,
+                    eviction_policy=EVICT)
+        d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
+        return q.to(tl.int8, bitcast=True).to(tl.float32), d, blk
+
+    @triton.jit
+    def _in_one_block(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
+        """Columns k0 .. k0 + BLOCK_K (< 32, inside one block): [R, BLOCK_K]."""
+        block, place, mask, first, _, first_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, 34, BLOCK_K)
+        q = tl.load(block + 2 + place, mask=mask, other=0, eviction_policy=EVICT)  # [R, BLOCK_K]
+        d = tl.load(first.to(FP16), mask=first_mask, other=0.0).to(tl.float32)  # [R, 1]
+        return q.to(tl.int8, bitcast=True).to(tl.float32) * d
 
     @triton.jit
     def _load(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
               EVICT: tl.constexpr):
-        G: tl.constexpr = 32 if BLOCK_K > 32 else BLOCK_K  # columns of the tile that share one block's d
         R: tl.constexpr = rows.shape[0]
-        block, place, mask, group, _, group_mask = block_tile(w_ptr, rows, row_ok, k0, K, BLOCK_K, 32, 34, G)
-        q = tl.load(block + 2 + place, mask=mask, other=0, eviction_policy=EVICT)  # [R, BLOCK_K]
-        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
-        w = tl.reshape(q.to(tl.int8, bitcast=True).to(tl.float32), (R, BLOCK_K // G, G)) * d[:, :, None]
-        w = tl.reshape(w, (R, BLOCK_K))
+        if BLOCK_K >= 32:
+            q, d, _ = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, EVICT)
+            w = tl.reshape(q * d[:, :, None], (R, BLOCK_K))
+        else:
+            w = _in_one_block(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT)
         if TRANSPOSE:
             return tl.trans(w)
         else:
             return w
+
+    @triton.jit
+    def _dot(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        """Per block, d * sum(q v) (base.ExpertFormat.triton_dot)."""
+        if BLOCK_K >= 32:
+            q, d, blk = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first")
+            v = tl.load(v_ptr + (32 * blk)[:, None] + tl.arange(0, 32)[None, :], mask=(blk < K // 32)[:, None],
+                        other=0.0).to(tl.float32)  # [C, 32]
+            return tl.sum(d * tl.sum(q * v[None, :, :], axis=2), axis=1)
+        else:
+            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+            return tl.sum(_in_one_block(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first") * v[None, :], axis=1)
