@@ -105,14 +105,15 @@ if triton is not None:
                 row_start + first // BLOCK * BYTES, first % BLOCK, group_mask)
 
     @triton.jit
-    def paired_nibble_cols(k0, BLOCK_K: tl.constexpr, SPAN: tl.constexpr):
-        """The tile order of a format whose byte m of a run holds column m in its low nibble and column
-        SPAN + m in its high one (Q4_K: SPAN 32, Q6_K: 64): a tile of whole runs of 2 SPAN columns
-        holds each byte's two columns side by side, as its load joins the nibbles (so a run's bytes
-        are read once, contiguously, and never shuffled back into order); a narrower tile lies in one
-        nibble of its bytes and is in order."""
+    def interleaved_cols(k0, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, WAYS: tl.constexpr):
+        """The tile order of a format whose byte m of a run holds columns m, SPAN + m, ..., (WAYS - 1)
+        SPAN + m (nibbles: WAYS 2, Q4_K's SPAN 32, Q6_K's 64, Q4_0's 16; Q2_K's 2-bit planes: WAYS 4,
+        SPAN 32): a tile of whole runs of WAYS SPAN columns holds each byte's columns side by side, as
+        its load joins them (so a run's bytes are read once, contiguously, and never shuffled back
+        into order); a narrower tile lies in one part of its bytes and is in order."""
         p = tl.arange(0, BLOCK_K)
-        if BLOCK_K >= 2 * SPAN:  # place p: run p // 2 SPAN, nibble p % 2, byte (p % 2 SPAN) // 2
-            return k0 + (p // (2 * SPAN)) * (2 * SPAN) + (p % 2) * SPAN + (p % (2 * SPAN)) // 2
+        RUN: tl.constexpr = WAYS * SPAN
+        if BLOCK_K >= RUN:  # place p: run p // RUN, part p % WAYS, byte (p % RUN) // WAYS
+            return k0 + (p // RUN) * RUN + (p % WAYS) * SPAN + (p % RUN) // WAYS
         else:
             return k0 + p

@@ -41,7 +41,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, paired_nibble_cols
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, interleaved_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -189,11 +189,11 @@ if triton is not None:
         return tl.reshape(w, (R, BLOCK_K))
 
     # A tile of whole 32-weight runs (IQ4_NL's blocks, IQ4_XS's sub-blocks) reads each run's 16 bytes
-    # contiguously, in paired_nibble_cols' order (SPAN 16); a narrower one gathers by column, in order.
+    # contiguously, in interleaved_cols' order (SPAN 16, WAYS 2); a narrower one gathers by column, in order.
 
     @triton.jit
     def _cols(k0, BLOCK_K: tl.constexpr):
-        return paired_nibble_cols(k0, BLOCK_K, 16)
+        return interleaved_cols(k0, BLOCK_K, 16, 2)
 
     @triton.jit
     def _runs(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr, XS: tl.constexpr):
@@ -209,7 +209,8 @@ if triton is not None:
                    >> ((sub & 1) << 2)[None, :]) & 15
             high = (tl.load(block + (2 + (sub >> 2))[None, :], mask=mask, other=0).to(tl.int32)
                     >> ((sub & 3) << 1)[None, :]) & 3
-            step = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32) * ((low | (high << 4)) - 32).to(tl.float32)
+            d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
+            step = d * ((low | (high << 4)) - 32).to(tl.float32)
         else:
             block = w_ptr + rows[:, None] * (K // 32 * 18) + (run * 18)[None, :]
             qs = block + 2

@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, paired_nibble_cols
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, interleaved_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -163,12 +163,12 @@ class Q5_1(_LegacyBlock):
 
 if triton is not None:
     U16 = tl.constexpr(tl.pointer_type(tl.uint16))
-    # A tile of whole blocks reads each block's 16 qs bytes contiguously, in paired_nibble_cols' order
-    # (SPAN 16); a narrower one lies in one nibble of its bytes and gathers them by column, in order.
+    # A tile of whole blocks reads each block's 16 qs bytes contiguously, in interleaved_cols' order
+    # (SPAN 16, WAYS 2); a narrower one lies in one nibble of its bytes and gathers them by column, in order.
 
     @triton.jit
     def _cols(k0, BLOCK_K: tl.constexpr):
-        return paired_nibble_cols(k0, BLOCK_K, 16)
+        return interleaved_cols(k0, BLOCK_K, 16, 2)
 
     @triton.jit
     def _blocks(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr,
