@@ -301,13 +301,20 @@ class Q6_K(GgmlBlockFormat):
 
     @property
     def triton_cols(self) -> Any:
-        return _q6_k_cols
+        return _planes_cols
 
 
 if triton is not None:
     # Every type reads runs of bytes contiguously where a tile holds whole runs (interleaved_cols):
-    # Q2_K and Q3_K a half super-block's 32 bytes of 2-bit planes, Q4_K and Q5_K a chunk's 32 bytes of
-    # nibbles, Q6_K a half's 64. A narrower tile gathers each weight's bytes by its column, in order.
+    # Q2_K, Q3_K and Q6_K a half super-block's runs of 32 bytes (2-bit planes, hmask; ql, qh), Q4_K and
+    # Q5_K a chunk's 32 bytes of nibbles. A narrower tile gathers each weight's bytes by its column, in order.
+
+    @triton.jit
+    def _fp16_pair(word):
+        """The two fp16 of a little-endian 32-bit word (int32), as fp32: the low half's, the high half's."""
+        low = (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        high = ((word >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        return low, high
 
     @triton.jit
     def _scale_min(block, sub, mask):
@@ -324,8 +331,7 @@ if triton is not None:
         third = (tl.load(words + 3, mask=mask, other=0) >> t) & 255  # scale byte 8 + sub % 4
         scale = tl.where(sub < 4, first & 63, (third & 15) | ((first >> 6) << 4))
         low = tl.where(sub < 4, second & 63, (third >> 4) | ((second >> 6) << 4))
-        d = (head & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((head >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        d, dmin = _fp16_pair(head)
         return d * scale.to(tl.float32), dmin * low.to(tl.float32)
 
     @triton.jit
@@ -479,52 +485,72 @@ if triton is not None:
 
     @triton.jit
     def _halves(w_ptr, rows, row_ok, k0, K: tl.constexpr, HALVES: tl.constexpr, EVICT: tl.constexpr,
-                THIRD_BIT: tl.constexpr):
-        """Q2_K's (Q3_K's: THIRD_BIT) HALVES halves of 128 weights from k0 (a multiple of 128): each half's
-        32 bytes of 2-bit planes [R, HALVES, 32] (int32), read contiguously, and for Q3_K the hmask
-        bytes shifted to the half's bits (bit j: plane j's third bit); the super-blocks [R, HALVES],
-        the halves [HALVES] and the mask [R, HALVES]."""
-        BYTES: tl.constexpr = 110 if THIRD_BIT else 84
-        QS: tl.constexpr = 32 if THIRD_BIT else 16
+                BITS: tl.constexpr):
+        """The HALVES halves of 128 weights from k0 (a multiple of 128) of Q2_K, Q3_K or Q6_K (BITS 2, 3,
+        6), each half's bytes read in runs of 32: weight 128 n + 32 j + l (half n, plane j) has its
+        bits in byte l of each run. Returns three runs [R, HALVES, 32] (int32): Q2_K's and Q3_K's 2-bit
+        planes (bits 2 j), Q3_K's hmask shifted to the half (bit j: the third bit), and the 2-bit
+        planes again; Q6_K's ql[64 n + l] (planes 0 and 2: low and high nibble), qh[32 n + l] (bits
+        2 j, 2 j + 1: the top two) and ql[64 n + 32 + l] (planes 1 and 3). Then the super-blocks [R,
+        HALVES], the halves [HALVES] and the mask [R, HALVES]."""
+        BYTES: tl.constexpr = 84 if BITS == 2 else (110 if BITS == 3 else 210)
         half = k0 // 128 + tl.arange(0, HALVES)  # [HALVES]
-        n = half % 2
+        n = (half % 2)[None, :, None]
         block = w_ptr + rows[:, None] * (K // 256 * BYTES) + (half // 2 * BYTES)[None, :]  # [R, HALVES]
         mask = row_ok[:, None] & (half < K // 128)[None, :]
-        lane = tl.arange(0, 32)[None, None, :]
-        packed = tl.load(block[:, :, None] + (QS + 32 * n)[None, :, None] + lane, mask=mask[:, :, None], other=0,
-                         eviction_policy=EVICT).to(tl.int32)  # [R, HALVES, 32]
-        if THIRD_BIT:
-            hmask = tl.load(block[:, :, None] + lane, mask=mask[:, :, None], other=0,
-                            eviction_policy=EVICT).to(tl.int32) >> (4 * n)[None, :, None]
+        at = block[:, :, None] + tl.arange(0, 32)[None, None, :]  # [R, HALVES, 32]
+        run_mask = mask[:, :, None]
+        if BITS == 6:
+            first = tl.load(at + 64 * n, mask=run_mask, other=0, eviction_policy=EVICT).to(tl.int32)
+            second = tl.load(at + 128 + 32 * n, mask=run_mask, other=0, eviction_policy=EVICT).to(tl.int32)
+            third = tl.load(at + 64 * n + 32, mask=run_mask, other=0, eviction_policy=EVICT).to(tl.int32)
         else:
-            hmask = packed
-        return packed, hmask, block, half, mask
+            first = tl.load(at + (32 if BITS == 3 else 16) + 32 * n, mask=run_mask, other=0,
+                            eviction_policy=EVICT).to(tl.int32)
+            if BITS == 3:
+                second = tl.load(at, mask=run_mask, other=0, eviction_policy=EVICT).to(tl.int32) >> (4 * n)
+            else:
+                second = first
+            third = first
+        return first, second, third, block, half, mask
 
     @triton.jit
-    def _plane(packed, hmask, block, half, mask, j: tl.constexpr, THIRD_BIT: tl.constexpr):
-        """Plane j of the halves: weights 128 half + 32 j + l. Its codes [R, HALVES, 32] (fp32; Q3_K's
-        signed) and the step and offset of its two sub-blocks of 16 [R, HALVES, 2] (Q3_K: offset 0)."""
-        q = (packed >> (2 * j)) & 3
+    def _plane(first, second, third, block, half, mask, j: tl.constexpr, BITS: tl.constexpr):
+        """Plane j of _halves' runs: weights 128 half + 32 j + l. Its codes [R, HALVES, 32] (fp32; Q3_K's
+        and Q6_K's signed) and the step and offset of its two sub-blocks of 16 [R, HALVES, 2] (offset 0
+        but for Q2_K)."""
         sub = (8 * (half % 2) + 2 * j)[None, :, None] + tl.arange(0, 2)[None, None, :]  # [1, HALVES, 2] 0..15
         at = block[:, :, None]
-        if THIRD_BIT:
-            q = q - ((1 - ((hmask >> j) & 1)) << 2)  # -4..3
-            low = (tl.load(at + 96 + (sub & 7), mask=mask[:, :, None], other=0).to(tl.int32) >> ((sub >> 3) << 2)) & 15
-            high = (tl.load(at + 104 + (sub & 3), mask=mask[:, :, None], other=0).to(tl.int32) >> ((sub >> 2) << 1)) & 3
+        sub_mask = mask[:, :, None]
+        if BITS == 6:
+            if j % 2 == 0:
+                low = (first >> (4 * (j // 2))) & 15
+            else:
+                low = (third >> (4 * (j // 2))) & 15
+            q = (low | (((second >> (2 * j)) & 3) << 4)) - 32
+            scale = tl.load(at + 192 + sub, mask=sub_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            step = tl.load((block + 208).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None] * scale
+            offset = tl.zeros_like(step)
+        elif BITS == 3:
+            q = ((first >> (2 * j)) & 3) - ((1 - ((second >> j) & 1)) << 2)  # -4..3
+            low = (tl.load(at + 96 + (sub & 7), mask=sub_mask, other=0).to(tl.int32) >> ((sub >> 3) << 2)) & 15
+            high = (tl.load(at + 104 + (sub & 3), mask=sub_mask, other=0).to(tl.int32) >> ((sub >> 2) << 1)) & 3
             d = tl.load((block + 108).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None]
             step = d * ((low | (high << 4)) - 32).to(tl.float32)
             offset = tl.zeros_like(step)
         else:
-            scale = tl.load(at + sub, mask=mask[:, :, None], other=0).to(tl.int32)  # [R, HALVES, 2]
-            d = tl.load((block + 80).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None]
-            dmin = tl.load((block + 82).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None]
-            step, offset = d * (scale & 15).to(tl.float32), dmin * (scale >> 4).to(tl.float32)
+            q = (first >> (2 * j)) & 3
+            scale = tl.load(at + sub, mask=sub_mask, other=0).to(tl.int32)  # [R, HALVES, 2]
+            # d and dmin as one aligned 32-bit word (84-byte blocks: 4-aligned)
+            d, dmin = _fp16_pair(tl.load((block + 80).to(tl.pointer_type(tl.int32)), mask=mask, other=0))
+            step = d[:, :, None] * (scale & 15).to(tl.float32)
+            offset = dmin[:, :, None] * (scale >> 4).to(tl.float32)
         return q.to(tl.float32), step, offset
 
     @triton.jit
-    def _plane_weights(packed, hmask, block, half, mask, j: tl.constexpr, THIRD_BIT: tl.constexpr):
+    def _plane_weights(first, second, third, block, half, mask, j: tl.constexpr, BITS: tl.constexpr):
         """Plane j's weights [R, HALVES, 32]."""
-        q, step, offset = _plane(packed, hmask, block, half, mask, j, THIRD_BIT)
+        q, step, offset = _plane(first, second, third, block, half, mask, j, BITS)
         R: tl.constexpr = q.shape[0]
         HALVES: tl.constexpr = q.shape[1]
         w = tl.reshape(q, (R, HALVES, 2, 16)) * step[:, :, :, None] - offset[:, :, :, None]
@@ -532,18 +558,21 @@ if triton is not None:
 
     @triton.jit
     def _load_planes(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
-                     EVICT: tl.constexpr, THIRD_BIT: tl.constexpr):
-        """In interleaved_cols' order (SPAN 32, WAYS 4): a tile of whole halves joins each byte's four weights."""
+                     EVICT: tl.constexpr, BITS: tl.constexpr):
+        """In interleaved_cols' order (SPAN 32, WAYS 4): a tile of whole halves joins the four weights of
+        each byte position l."""
         R: tl.constexpr = rows.shape[0]
         if BLOCK_K >= 128:
-            packed, hmask, block, half, mask = _halves(w_ptr, rows, row_ok, k0, K, BLOCK_K // 128, EVICT, THIRD_BIT)
-            w0 = _plane_weights(packed, hmask, block, half, mask, 0, THIRD_BIT)
-            w1 = _plane_weights(packed, hmask, block, half, mask, 1, THIRD_BIT)
-            w2 = _plane_weights(packed, hmask, block, half, mask, 2, THIRD_BIT)
-            w3 = _plane_weights(packed, hmask, block, half, mask, 3, THIRD_BIT)
+            first, second, third, block, half, mask = _halves(w_ptr, rows, row_ok, k0, K, BLOCK_K // 128, EVICT, BITS)
+            w0 = _plane_weights(first, second, third, block, half, mask, 0, BITS)
+            w1 = _plane_weights(first, second, third, block, half, mask, 1, BITS)
+            w2 = _plane_weights(first, second, third, block, half, mask, 2, BITS)
+            w3 = _plane_weights(first, second, third, block, half, mask, 3, BITS)
             # [R, HALVES, 32, 2, 2]: place (l, a, b) holds plane 2 a + b
             w = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (R, BLOCK_K))
-        elif THIRD_BIT:
+        elif BITS == 6:
+            w = _q6_k_nibble(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT)
+        elif BITS == 3:
             w = _gathered_q3_k(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT)
         else:
             w = _gathered_q2_k(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT)
@@ -553,73 +582,63 @@ if triton is not None:
             return w
 
     @triton.jit
-    def _dot_planes(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr, THIRD_BIT: tl.constexpr):
+    def _dot_planes(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr, BITS: tl.constexpr):
         """Per plane and sub-block of 16, step * sum(q v) - offset * sum(v) (base.ExpertFormat.triton_dot)."""
         R: tl.constexpr = rows.shape[0]
         if BLOCK_K >= 128:
             HALVES: tl.constexpr = BLOCK_K // 128
-            packed, hmask, block, half, mask = _halves(w_ptr, rows, row_ok, k0, K, HALVES, "evict_first", THIRD_BIT)
+            first, second, third, block, half, mask = _halves(w_ptr, rows, row_ok, k0, K, HALVES, "evict_first", BITS)
             at = v_ptr + (128 * half)[:, None] + tl.arange(0, 32)[None, :]  # [HALVES, 32] plane 0's columns
             v_ok = (half < K // 128)[:, None]
             total = tl.zeros([R], dtype=tl.float32)
             for j in tl.static_range(4):
-                q, step, offset = _plane(packed, hmask, block, half, mask, j, THIRD_BIT)
+                q, step, offset = _plane(first, second, third, block, half, mask, j, BITS)
                 v = tl.load(at + 32 * j, mask=v_ok, other=0.0).to(tl.float32)
                 qv = tl.sum(tl.reshape(q * v[None, :, :], (R, HALVES, 2, 16)), axis=3)  # [R, HALVES, 2]
-                v_sum = tl.sum(tl.reshape(v, (HALVES, 2, 16)), axis=2)  # [HALVES, 2]
-                total += tl.sum(tl.sum(step * qv - offset * v_sum[None, :, :], axis=2), axis=1)
+                if BITS == 2:
+                    v_sum = tl.sum(tl.reshape(v, (HALVES, 2, 16)), axis=2)  # [HALVES, 2]
+                    total += tl.sum(tl.sum(step * qv - offset * v_sum[None, :, :], axis=2), axis=1)
+                else:
+                    total += tl.sum(tl.sum(step * qv, axis=2), axis=1)
             return total
         else:
             v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-            w = _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", THIRD_BIT)
+            w = _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", BITS)
             return tl.sum(w * v[None, :], axis=1)
 
     @triton.jit
     def _load_q2_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                    EVICT: tl.constexpr):
-        return _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, False)
+        return _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, 2)
 
     @triton.jit
     def _load_q3_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
                    EVICT: tl.constexpr):
-        return _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, True)
+        return _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, 3)
+
+    @triton.jit
+    def _load_q6_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
+                   EVICT: tl.constexpr):
+        return _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, 6)
 
     @triton.jit
     def _dot_q2_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
-        return _dot_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, False)
+        return _dot_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, 2)
 
     @triton.jit
     def _dot_q3_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
-        return _dot_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, True)
+        return _dot_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, 3)
 
     @triton.jit
-    def _q6_k_halves(w_ptr, rows, row_ok, k0, K: tl.constexpr, HALVES: tl.constexpr, EVICT: tl.constexpr):
-        """Q6_K's HALVES halves of 128 weights from k0 (a multiple of 128): ql byte 64 n + m of half n holds
-        weights 128 n + m (low nibble) and 128 n + 64 + m (high), whose top two bits are bits 2 a and
-        2 a + 4 of qh[32 n + m % 32] (a = m // 32), each half's 64 ql bytes read contiguously. Returns
-        the codes of the low and high nibbles [R, HALVES, 64] (fp32, signed), the steps of their four
-        sub-blocks of 16 [R, HALVES, 4] and the halves [HALVES]."""
-        half = k0 // 128 + tl.arange(0, HALVES)  # [HALVES]
-        n = half % 2
-        block = w_ptr + rows[:, None] * (K // 256 * 210) + (half // 2 * 210)[None, :]  # [R, HALVES]
-        mask = row_ok[:, None] & (half < K // 128)[None, :]
-        m = tl.arange(0, 64)
-        ql = tl.load(block[:, :, None] + (64 * n)[None, :, None] + m[None, None, :], mask=mask[:, :, None], other=0,
-                     eviction_policy=EVICT)  # [R, HALVES, 64]
-        qh = tl.load(block[:, :, None] + (128 + 32 * n)[None, :, None] + (m % 32)[None, None, :],
-                     mask=mask[:, :, None], other=0, eviction_policy=EVICT) >> (2 * (m // 32))[None, None, :]
-        q_low = (((ql & 15) | ((qh & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
-        q_high = (((ql >> 4) | (((qh >> 4) & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
-        sixteens = tl.arange(0, 4)  # the half's sub-blocks of 16: low nibbles' 0..3, high ones' 4..7
-        at = block[:, :, None] + (192 + 8 * n)[None, :, None] + sixteens[None, None, :]  # [R, HALVES, 4]
-        sc_low = tl.load(at, mask=mask[:, :, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        sc_high = tl.load(at + 4, mask=mask[:, :, None], other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        d = tl.load((block + 208).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None]  # [R, HALVES, 1]
-        return q_low, q_high, d * sc_low, d * sc_high, half
+    def _dot_q6_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, 6)
 
     @triton.jit
     def _q6_k_nibble(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
-        """Columns k0 .. k0 + BLOCK_K (< 128) of one nibble of half (k0 / 128) % 2, in order: [R, BLOCK_K]."""
+        """Q6_K's columns k0 .. k0 + BLOCK_K (< 128: in one nibble of the ql bytes of half (k0 / 128) % 2),
+        in order: [R, BLOCK_K]. ql byte 64 n + m holds weight 128 n + m in its low nibble and 128 n + 64
+        + m in its high one, whose top two bits are bits 2 a and 2 a + 4 of qh[32 n + m % 32] (a = m //
+        32)."""
         n = k0 // 128 % 2
         nibble = k0 // 64 % 2
         block = w_ptr + rows[:, None] * (K // 256 * 210) + k0 // 256 * 210  # [R, 1]
@@ -630,44 +649,3 @@ if triton is not None:
         sc = tl.load(block + (192 + 8 * n + 4 * nibble + m // 16)[None, :], mask=row_ok[:, None], other=0)
         d = tl.load((block + 208).to(FP16), mask=row_ok[:, None], other=0.0).to(tl.float32)  # [R, 1]
         return (q.to(tl.int32) - 32).to(tl.float32) * (d * sc.to(tl.int8, bitcast=True).to(tl.float32))
-
-    @triton.jit
-    def _load_q6_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
-                   EVICT: tl.constexpr):
-        """In interleaved_cols' order (SPAN 64, WAYS 2): a tile of whole halves joins each ql byte's two
-        weights; a narrower tile, one nibble of its bytes."""
-        R: tl.constexpr = rows.shape[0]
-        if BLOCK_K >= 128:
-            HALVES: tl.constexpr = BLOCK_K // 128
-            q_low, q_high, step_low, step_high, _ = _q6_k_halves(w_ptr, rows, row_ok, k0, K, HALVES, EVICT)
-            w_low = tl.reshape(tl.reshape(q_low, (R, HALVES, 4, 16)) * step_low[:, :, :, None], (R, HALVES, 64))
-            w_high = tl.reshape(tl.reshape(q_high, (R, HALVES, 4, 16)) * step_high[:, :, :, None], (R, HALVES, 64))
-            w = tl.reshape(tl.join(w_low, w_high), (R, BLOCK_K))
-        else:
-            w = _q6_k_nibble(w_ptr, rows, row_ok, k0, K, BLOCK_K, EVICT)
-        if TRANSPOSE:
-            return tl.trans(w)
-        else:
-            return w
-
-    @triton.jit
-    def _dot_q6_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
-        """Per nibble and sub-block of 16, step * sum(q v) (base.ExpertFormat.triton_dot)."""
-        R: tl.constexpr = rows.shape[0]
-        if BLOCK_K >= 128:
-            HALVES: tl.constexpr = BLOCK_K // 128
-            q_low, q_high, step_low, step_high, half = _q6_k_halves(w_ptr, rows, row_ok, k0, K, HALVES, "evict_first")
-            at = v_ptr + (128 * half)[:, None] + tl.arange(0, 64)[None, :]  # [HALVES, 64] the low nibbles' columns
-            v_ok = (half < K // 128)[:, None]
-            v_low = tl.load(at, mask=v_ok, other=0.0).to(tl.float32)
-            v_high = tl.load(at + 64, mask=v_ok, other=0.0).to(tl.float32)
-            qv_low = tl.sum(tl.reshape(q_low * v_low[None, :, :], (R, HALVES, 4, 16)), axis=3)  # [R, HALVES, 4]
-            qv_high = tl.sum(tl.reshape(q_high * v_high[None, :, :], (R, HALVES, 4, 16)), axis=3)
-            return tl.sum(tl.sum(step_low * qv_low + step_high * qv_high, axis=2), axis=1)
-        else:
-            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-            return tl.sum(_q6_k_nibble(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first") * v[None, :], axis=1)
-
-    @triton.jit
-    def _q6_k_cols(k0, BLOCK_K: tl.constexpr):
-        return interleaved_cols(k0, BLOCK_K, 64, 2)
