@@ -41,7 +41,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, interleaved_cols
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot, interleaved_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -247,9 +247,8 @@ if triton is not None:
             return tl.sum(step * tl.sum(_level(low) * v_low[None, :, :] + _level(high) * v_high[None, :, :], axis=2),
                           axis=1)
         else:
-            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
             w = _load_runs(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", XS)
-            return tl.sum(w * v[None, :], axis=1)
+            return in_order_dot(w, v_ptr, k0, BLOCK_K)
 
     @triton.jit
     def _load_iq4_nl(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,

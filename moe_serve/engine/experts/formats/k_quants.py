@@ -43,7 +43,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, interleaved_cols
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot, interleaved_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -415,9 +415,8 @@ if triton is not None:
             return tl.sum(step_low * qv_low - offset_low * tl.sum(v_low, axis=1)[None, :]
                           + step_high * qv_high - offset_high * tl.sum(v_high, axis=1)[None, :], axis=1)
         else:
-            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-            return tl.sum(_narrow_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT) * v[None, :],
-                          axis=1)
+            w = _narrow_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT)
+            return in_order_dot(w, v_ptr, k0, BLOCK_K)
 
     @triton.jit
     def _q4_k_cols(k0, BLOCK_K: tl.constexpr):
@@ -602,9 +601,8 @@ if triton is not None:
                     total += tl.sum(tl.sum(step * qv, axis=2), axis=1)
             return total
         else:
-            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
             w = _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", BITS)
-            return tl.sum(w * v[None, :], axis=1)
+            return in_order_dot(w, v_ptr, k0, BLOCK_K)
 
     @triton.jit
     def _load_q2_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,

@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, interleaved_cols
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot, interleaved_cols
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -251,9 +251,8 @@ if triton is not None:
             qv = tl.sum(low.to(tl.float32) * v_low[None, :, :] + high.to(tl.float32) * v_high[None, :, :], axis=2)
             return tl.sum(d * qv + m * tl.sum(v_low + v_high, axis=1)[None, :], axis=1)
         else:
-            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
             w = _gathered(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT, WITH_MIN)
-            return tl.sum(w * v[None, :], axis=1)
+            return in_order_dot(w, v_ptr, k0, BLOCK_K)
 
     @triton.jit
     def _load_q4_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,

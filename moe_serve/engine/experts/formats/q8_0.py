@@ -24,7 +24,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -104,5 +104,5 @@ if triton is not None:
                         other=0.0).to(tl.float32)  # [C, 32]
             return tl.sum(d * tl.sum(q * v[None, :, :], axis=2), axis=1)
         else:
-            v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-            return tl.sum(_in_one_block(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first") * v[None, :], axis=1)
+            w = _in_one_block(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first")
+            return in_order_dot(w, v_ptr, k0, BLOCK_K)
