@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format
+from moe_serve.engine.experts.formats.base import divide
 from moe_serve.engine.experts.formats.fp8 import E4M3_MAX
 from moe_serve.engine.experts.formats.int4 import group_size
 from moe_serve.engine.experts.layout import ExpertLayout
@@ -136,3 +137,14 @@ def test_parts_encode_independently(name):
 def test_unknown_format_is_refused_by_name():
     with pytest.raises(ValueError, match="nf4.*none, int8, int4, fp8, fp8-block"):
         expert_format("nf4", torch.bfloat16)
+
+
+@pytest.mark.parametrize("divisor", [127.0, 448.0, 15.0, 63.0, 31.0, 3.0, -127.0, 7.0])
+def test_divide_is_the_correctly_rounded_quotient(divisor):
+    # fp32 quotients of fp32 operands, computed in fp64 and rounded once, are the correctly rounded
+    # ones (53 bits leave double rounding harmless); a multiply by the divisor's fp32 reciprocal, what
+    # CUDA does for `tensor / number`, misses some of them, which made GPU encodings differ from CPU ones
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0)).abs_() * 3
+    exact = (x.double() / divisor).float()
+    assert torch.equal(divide(x, divisor), exact)
+    assert not torch.equal(x * torch.tensor(1 / divisor, dtype=torch.float32), exact)
