@@ -105,6 +105,24 @@ if triton is not None:
                 row_start + first // BLOCK * BYTES, first % BLOCK, group_mask)
 
     @triton.jit
+    def block_runs(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, RUN: tl.constexpr,
+                   BLOCK: tl.constexpr, BYTES: tl.constexpr):
+        """The C runs of RUN columns from k0 (a multiple of RUN, which divides the block size BLOCK) of
+        rows [R] of blocks of BYTES at w_ptr: the runs [C], the pointer to each run's block [R, C] and
+        the mask [R, C] (runs past K masked): where the run-reading loads find their bytes."""
+        run = k0 // RUN + tl.arange(0, C)  # [C]
+        block = w_ptr + rows[:, None] * (K // BLOCK * BYTES) + (run // (BLOCK // RUN) * BYTES)[None, :]
+        mask = row_ok[:, None] & (run < K // RUN)[None, :]
+        return run, block, mask
+
+    @triton.jit
+    def vector_runs(v_ptr, run, K: tl.constexpr, RUN: tl.constexpr, WIDTH: tl.constexpr):
+        """[C, WIDTH] fp32: the vector's elements RUN run .. RUN run + WIDTH - 1 for the runs [C] (0 past
+        K); v_ptr advanced by a part's offset gives that part of each run (a nibble's, a plane's)."""
+        return tl.load(v_ptr + (RUN * run)[:, None] + tl.arange(0, WIDTH)[None, :], mask=(run < K // RUN)[:, None],
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
     def interleaved_cols(k0, BLOCK_K: tl.constexpr, SPAN: tl.constexpr, WAYS: tl.constexpr):
         """The tile order of a format whose byte m of a run holds columns m, SPAN + m, ..., (WAYS - 1)
         SPAN + m (nibbles: WAYS 2, Q4_K's SPAN 32, Q6_K's 64, Q4_0's 16; Q2_K's 2-bit planes: WAYS 4,

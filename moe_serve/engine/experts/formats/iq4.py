@@ -41,7 +41,14 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot, interleaved_cols
+    from moe_serve.engine.experts.formats.ggml_block import (
+        FP16,
+        block_runs,
+        block_tile,
+        in_order_dot,
+        interleaved_cols,
+        vector_runs,
+    )
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -159,6 +166,15 @@ if triton is not None:
         return ((byte << 24) >> 24).to(tl.float32)  # sign-extended
 
     @triton.jit
+    def _xs_step(block, sub, mask):
+        """IQ4_XS: the step d * (scale - 32) of sub-block `sub` (0..7, broadcasting with the block pointers
+        `block`), fp32."""
+        low = (tl.load(block + (4 + (sub >> 1)), mask=mask, other=0).to(tl.int32) >> ((sub & 1) << 2)) & 15
+        high = (tl.load(block + (2 + (sub >> 2)), mask=mask, other=0).to(tl.int32) >> ((sub & 3) << 1)) & 3
+        d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
+        return d * ((low | (high << 4)) - 32).to(tl.float32)
+
+    @triton.jit
     def _gathered_iq4_nl(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
         """Columns k0 .. k0 + BLOCK_K (< 32: one nibble of one block) in order, gathered by column."""
         G: tl.constexpr = BLOCK_K
@@ -180,11 +196,7 @@ if triton is not None:
         packed = tl.load(block + (8 + ((place >> 5) << 4) + (place & 15)), mask=mask, other=0,
                          eviction_policy=EVICT).to(tl.int32)
         q = (packed >> (((place >> 4) & 1) << 2)) & 15  # [R, BLOCK_K]
-        sub = first >> 5  # [BLOCK_K / G] each group's sub-block, 0..7
-        low = (tl.load(group + (4 + (sub >> 1)), mask=group_mask, other=0).to(tl.int32) >> ((sub & 1) << 2)) & 15
-        high = (tl.load(group + (2 + (sub >> 2)), mask=group_mask, other=0).to(tl.int32) >> ((sub & 3) << 1)) & 3
-        d = tl.load(group.to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
-        step = d * ((low | (high << 4)) - 32).to(tl.float32)
+        step = _xs_step(group, first >> 5, group_mask)  # [R, BLOCK_K / G]
         w = tl.reshape(_level(q), (R, BLOCK_K // G, G)) * step[:, :, None]
         return tl.reshape(w, (R, BLOCK_K))
 
@@ -199,20 +211,13 @@ if triton is not None:
     def _runs(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr, XS: tl.constexpr):
         """The C runs of 32 weights from k0 (a multiple of 32): the codes of their bytes' low and high
         nibbles [R, C, 16] (weights j and 16 + j), each run's step [R, C], the runs [C]."""
-        run = k0 // 32 + tl.arange(0, C)  # [C]
-        mask = row_ok[:, None] & (run < K // 32)[None, :]
         if XS:  # sub-block run % 8 of super-block run // 8: codes at 8 + 16 (run % 8)
+            run, block, mask = block_runs(w_ptr, rows, row_ok, k0, K, C, 32, 256, 136)  # [C], [R, C], [R, C]
             sub = run % 8
-            block = w_ptr + rows[:, None] * (K // 256 * 136) + (run // 8 * 136)[None, :]  # [R, C]
             qs = block + (8 + 16 * sub)[None, :]
-            low = (tl.load(block + (4 + (sub >> 1))[None, :], mask=mask, other=0).to(tl.int32)
-                   >> ((sub & 1) << 2)[None, :]) & 15
-            high = (tl.load(block + (2 + (sub >> 2))[None, :], mask=mask, other=0).to(tl.int32)
-                    >> ((sub & 3) << 1)[None, :]) & 3
-            d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
-            step = d * ((low | (high << 4)) - 32).to(tl.float32)
+            step = _xs_step(block, sub[None, :], mask)
         else:
-            block = w_ptr + rows[:, None] * (K // 32 * 18) + (run * 18)[None, :]
+            run, block, mask = block_runs(w_ptr, rows, row_ok, k0, K, C, 32, 32, 18)
             qs = block + 2
             step = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
         packed = tl.load(qs[:, :, None] + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
@@ -240,10 +245,7 @@ if triton is not None:
         """Per run, step * sum(level[q] v) over both nibbles (base.ExpertFormat.triton_dot)."""
         if BLOCK_K >= 32:
             low, high, step, run = _runs(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first", XS)
-            at = v_ptr + (32 * run)[:, None] + tl.arange(0, 16)[None, :]  # [C, 16] the low nibbles' columns
-            v_ok = (run < K // 32)[:, None]
-            v_low = tl.load(at, mask=v_ok, other=0.0).to(tl.float32)
-            v_high = tl.load(at + 16, mask=v_ok, other=0.0).to(tl.float32)
+            v_low, v_high = vector_runs(v_ptr, run, K, 32, 16), vector_runs(v_ptr + 16, run, K, 32, 16)  # [C, 16]
             return tl.sum(step * tl.sum(_level(low) * v_low[None, :, :] + _level(high) * v_high[None, :, :], axis=2),
                           axis=1)
         else:

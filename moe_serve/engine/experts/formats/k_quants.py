@@ -43,7 +43,14 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot, interleaved_cols
+    from moe_serve.engine.experts.formats.ggml_block import (
+        FP16,
+        block_runs,
+        block_tile,
+        in_order_dot,
+        interleaved_cols,
+        vector_runs,
+    )
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -343,10 +350,8 @@ if triton is not None:
         nibbles [R, C, 32] (int32), each one's step and offset [R, C], the chunks [C] and the mask [R, C]."""
         BYTES: tl.constexpr = 176 if HIGH_BIT else 144
         QS: tl.constexpr = 48 if HIGH_BIT else 16
-        chunk = k0 // 64 + tl.arange(0, C)  # [C]
+        chunk, block, mask = block_runs(w_ptr, rows, row_ok, k0, K, C, 64, 256, BYTES)  # [C], [R, C], [R, C]
         c = chunk % 4  # [C] the chunk in its super-block
-        block = w_ptr + rows[:, None] * (K // 256 * BYTES) + (chunk // 4 * BYTES)[None, :]  # [R, C]
-        mask = row_ok[:, None] & (chunk < K // 64)[None, :]  # [R, C]
         lane = tl.arange(0, 32)
         packed = tl.load(block[:, :, None] + (QS + 32 * c)[None, :, None] + lane[None, None, :],
                          mask=mask[:, :, None], other=0, eviction_policy=EVICT).to(tl.int32)  # [R, C, 32]
@@ -406,10 +411,7 @@ if triton is not None:
             C: tl.constexpr = BLOCK_K // 64
             low, high, step_low, offset_low, step_high, offset_high, chunk, _ = _chunks_with_min(
                 w_ptr, rows, row_ok, k0, K, C, "evict_first", HIGH_BIT)
-            at = v_ptr + (64 * chunk)[:, None] + tl.arange(0, 32)[None, :]  # [C, 32] the low nibbles' columns
-            v_ok = (chunk < K // 64)[:, None]
-            v_low = tl.load(at, mask=v_ok, other=0.0).to(tl.float32)
-            v_high = tl.load(at + 32, mask=v_ok, other=0.0).to(tl.float32)
+            v_low, v_high = vector_runs(v_ptr, chunk, K, 64, 32), vector_runs(v_ptr + 32, chunk, K, 64, 32)  # [C, 32]
             qv_low = tl.sum(low.to(tl.float32) * v_low[None, :, :], axis=2)  # [R, C]
             qv_high = tl.sum(high.to(tl.float32) * v_high[None, :, :], axis=2)
             return tl.sum(step_low * qv_low - offset_low * tl.sum(v_low, axis=1)[None, :]
@@ -441,6 +443,28 @@ if triton is not None:
         return _dot_with_min(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, True)
 
     @triton.jit
+    def _q2_k_step_offset(block, sub, mask):
+        """Q2_K: the step d * scale and offset dmin * min of sub-block `sub` (0..15, broadcasting with the
+        block pointers `block`), fp32; d and dmin read as one aligned 32-bit word (84-byte blocks)."""
+        scale = tl.load(block + sub, mask=mask, other=0).to(tl.int32)
+        d, dmin = _fp16_pair(tl.load((block + 80).to(tl.pointer_type(tl.int32)), mask=mask, other=0))
+        return d * (scale & 15).to(tl.float32), dmin * (scale >> 4).to(tl.float32)
+
+    @triton.jit
+    def _q3_k_step(block, sub, mask):
+        """Q3_K: the step d * (scale - 32) of sub-block `sub` (0..15, broadcasting with `block`), fp32."""
+        low = (tl.load(block + (96 + (sub & 7)), mask=mask, other=0).to(tl.int32) >> ((sub >> 3) << 2)) & 15
+        high = (tl.load(block + (104 + (sub & 3)), mask=mask, other=0).to(tl.int32) >> ((sub >> 2) << 1)) & 3
+        d = tl.load((block + 108).to(FP16), mask=mask, other=0.0).to(tl.float32)
+        return d * ((low | (high << 4)) - 32).to(tl.float32)
+
+    @triton.jit
+    def _q6_k_step(block, sub, mask):
+        """Q6_K: the step d * scale of sub-block `sub` (0..15, broadcasting with `block`), fp32."""
+        scale = tl.load(block + (192 + sub), mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        return tl.load((block + 208).to(FP16), mask=mask, other=0.0).to(tl.float32) * scale
+
+    @triton.jit
     def _gathered_q2_k(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, EVICT: tl.constexpr):
         """Columns k0 .. k0 + BLOCK_K (< 128: one plane of one half) in order, gathered by column."""
         G: tl.constexpr = 16 if BLOCK_K > 16 else BLOCK_K
@@ -450,10 +474,7 @@ if triton is not None:
         packed = tl.load(block + (16 + ((place >> 7) << 5) + (place & 31)), mask=mask, other=0,
                          eviction_policy=EVICT).to(tl.int32)
         q = (packed >> (((place >> 5) & 3) << 1)) & 3  # [R, BLOCK_K]
-        scale = tl.load(group + (first >> 4), mask=group_mask, other=0).to(tl.int32)  # [R, BLOCK_K / G]
-        d = tl.load((group + 80).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
-        dmin = tl.load((group + 82).to(FP16), mask=group_mask, other=0.0).to(tl.float32)
-        step, offset = d * (scale & 15).to(tl.float32), dmin * (scale >> 4).to(tl.float32)
+        step, offset = _q2_k_step_offset(group, first >> 4, group_mask)  # [R, BLOCK_K / G]
         w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None] - offset[:, :, None]
         return tl.reshape(w, (R, BLOCK_K))
 
@@ -470,11 +491,7 @@ if triton is not None:
         hmask = tl.load(block + lane, mask=mask, other=0, eviction_policy=EVICT).to(tl.int32)
         third = (hmask >> (((place >> 7) << 2) + plane)) & 1
         q = ((packed >> (plane << 1)) & 3) - ((1 - third) << 2)  # [R, BLOCK_K] -4..3
-        sub = first >> 4  # [BLOCK_K / G] each group's sub-block, 0..15
-        low = (tl.load(group + (96 + (sub & 7)), mask=group_mask, other=0).to(tl.int32) >> ((sub >> 3) << 2)) & 15
-        high = (tl.load(group + (104 + (sub & 3)), mask=group_mask, other=0).to(tl.int32) >> ((sub >> 2) << 1)) & 3
-        d = tl.load((group + 108).to(FP16), mask=group_mask, other=0.0).to(tl.float32)  # [R, BLOCK_K / G]
-        step = d * ((low | (high << 4)) - 32).to(tl.float32)
+        step = _q3_k_step(group, first >> 4, group_mask)  # [R, BLOCK_K / G]
         w = tl.reshape(q.to(tl.float32), (R, BLOCK_K // G, G)) * step[:, :, None]
         return tl.reshape(w, (R, BLOCK_K))
 
@@ -493,10 +510,8 @@ if triton is not None:
         2 j, 2 j + 1: the top two) and ql[64 n + 32 + l] (planes 1 and 3). Then the super-blocks [R,
         HALVES], the halves [HALVES] and the mask [R, HALVES]."""
         BYTES: tl.constexpr = 84 if BITS == 2 else (110 if BITS == 3 else 210)
-        half = k0 // 128 + tl.arange(0, HALVES)  # [HALVES]
+        half, block, mask = block_runs(w_ptr, rows, row_ok, k0, K, HALVES, 128, 256, BYTES)  # [HALVES], [R, HALVES]
         n = (half % 2)[None, :, None]
-        block = w_ptr + rows[:, None] * (K // 256 * BYTES) + (half // 2 * BYTES)[None, :]  # [R, HALVES]
-        mask = row_ok[:, None] & (half < K // 128)[None, :]
         at = block[:, :, None] + tl.arange(0, 32)[None, None, :]  # [R, HALVES, 32]
         run_mask = mask[:, :, None]
         if BITS == 6:
@@ -527,23 +542,15 @@ if triton is not None:
             else:
                 low = (third >> (4 * (j // 2))) & 15
             q = (low | (((second >> (2 * j)) & 3) << 4)) - 32
-            scale = tl.load(at + 192 + sub, mask=sub_mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-            step = tl.load((block + 208).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None] * scale
+            step = _q6_k_step(at, sub, sub_mask)  # [R, HALVES, 2]
             offset = tl.zeros_like(step)
         elif BITS == 3:
             q = ((first >> (2 * j)) & 3) - ((1 - ((second >> j) & 1)) << 2)  # -4..3
-            low = (tl.load(at + 96 + (sub & 7), mask=sub_mask, other=0).to(tl.int32) >> ((sub >> 3) << 2)) & 15
-            high = (tl.load(at + 104 + (sub & 3), mask=sub_mask, other=0).to(tl.int32) >> ((sub >> 2) << 1)) & 3
-            d = tl.load((block + 108).to(FP16), mask=mask, other=0.0).to(tl.float32)[:, :, None]
-            step = d * ((low | (high << 4)) - 32).to(tl.float32)
+            step = _q3_k_step(at, sub, sub_mask)
             offset = tl.zeros_like(step)
         else:
             q = (first >> (2 * j)) & 3
-            scale = tl.load(at + sub, mask=sub_mask, other=0).to(tl.int32)  # [R, HALVES, 2]
-            # d and dmin as one aligned 32-bit word (84-byte blocks: 4-aligned)
-            d, dmin = _fp16_pair(tl.load((block + 80).to(tl.pointer_type(tl.int32)), mask=mask, other=0))
-            step = d[:, :, None] * (scale & 15).to(tl.float32)
-            offset = dmin[:, :, None] * (scale >> 4).to(tl.float32)
+            step, offset = _q2_k_step_offset(at, sub, sub_mask)
         return q.to(tl.float32), step, offset
 
     @triton.jit
@@ -587,12 +594,10 @@ if triton is not None:
         if BLOCK_K >= 128:
             HALVES: tl.constexpr = BLOCK_K // 128
             first, second, third, block, half, mask = _halves(w_ptr, rows, row_ok, k0, K, HALVES, "evict_first", BITS)
-            at = v_ptr + (128 * half)[:, None] + tl.arange(0, 32)[None, :]  # [HALVES, 32] plane 0's columns
-            v_ok = (half < K // 128)[:, None]
             total = tl.zeros([R], dtype=tl.float32)
             for j in tl.static_range(4):
                 q, step, offset = _plane(first, second, third, block, half, mask, j, BITS)
-                v = tl.load(at + 32 * j, mask=v_ok, other=0.0).to(tl.float32)
+                v = vector_runs(v_ptr + 32 * j, half, K, 128, 32)  # [HALVES, 32] plane j's columns
                 qv = tl.sum(tl.reshape(q * v[None, :, :], (R, HALVES, 2, 16)), axis=3)  # [R, HALVES, 2]
                 if BITS == 2:
                     v_sum = tl.sum(tl.reshape(v, (HALVES, 2, 16)), axis=2)  # [HALVES, 2]
@@ -644,6 +649,5 @@ if triton is not None:
         ql = tl.load(block + (64 * n + m)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
         qh = tl.load(block + (128 + 32 * n + m % 32)[None, :], mask=row_ok[:, None], other=0, eviction_policy=EVICT)
         q = ((ql >> (4 * nibble)) & 15) | (((qh >> (2 * (m // 32) + 4 * nibble)[None, :]) & 3) << 4)
-        sc = tl.load(block + (192 + 8 * n + 4 * nibble + m // 16)[None, :], mask=row_ok[:, None], other=0)
-        d = tl.load((block + 208).to(FP16), mask=row_ok[:, None], other=0.0).to(tl.float32)  # [R, 1]
-        return (q.to(tl.int32) - 32).to(tl.float32) * (d * sc.to(tl.int8, bitcast=True).to(tl.float32))
+        step = _q6_k_step(block, (8 * n + 4 * nibble + m // 16)[None, :], row_ok[:, None])  # [R, BLOCK_K]
+        return (q.to(tl.int32) - 32).to(tl.float32) * step

@@ -35,7 +35,14 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot, interleaved_cols
+    from moe_serve.engine.experts.formats.ggml_block import (
+        FP16,
+        block_runs,
+        block_tile,
+        in_order_dot,
+        interleaved_cols,
+        vector_runs,
+    )
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -179,9 +186,7 @@ if triton is not None:
         QH: tl.constexpr = 4 if WITH_MIN else 2
         QS: tl.constexpr = QH + 4 if HIGH_BIT else QH
         BYTES: tl.constexpr = QS + 16
-        blk = k0 // 32 + tl.arange(0, C)  # [C]
-        block = w_ptr + rows[:, None] * (K // 32 * BYTES) + (blk * BYTES)[None, :]  # [R, C]
-        mask = row_ok[:, None] & (blk < K // 32)[None, :]
+        blk, block, mask = block_runs(w_ptr, rows, row_ok, k0, K, C, 32, 32, BYTES)  # [C], [R, C], [R, C]
         lane = tl.arange(0, 16)
         packed = tl.load(block[:, :, None] + QS + lane[None, None, :], mask=mask[:, :, None], other=0,
                          eviction_policy=EVICT).to(tl.int32)  # [R, C, 16]
@@ -244,10 +249,7 @@ if triton is not None:
         if BLOCK_K >= 32:
             low, high, d, m, blk, _ = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first",
                                               HIGH_BIT, WITH_MIN)
-            at = v_ptr + (32 * blk)[:, None] + tl.arange(0, 16)[None, :]  # [C, 16] the low nibbles' columns
-            v_ok = (blk < K // 32)[:, None]
-            v_low = tl.load(at, mask=v_ok, other=0.0).to(tl.float32)
-            v_high = tl.load(at + 16, mask=v_ok, other=0.0).to(tl.float32)
+            v_low, v_high = vector_runs(v_ptr, blk, K, 32, 16), vector_runs(v_ptr + 16, blk, K, 32, 16)  # [C, 16]
             qv = tl.sum(low.to(tl.float32) * v_low[None, :, :] + high.to(tl.float32) * v_high[None, :, :], axis=2)
             return tl.sum(d * qv + m * tl.sum(v_low + v_high, axis=1)[None, :], axis=1)
         else:

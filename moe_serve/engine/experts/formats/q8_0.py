@@ -24,7 +24,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_tile, in_order_dot
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_runs, block_tile, in_order_dot, vector_runs
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -65,9 +65,7 @@ if triton is not None:
     @triton.jit
     def _blocks(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr):
         """The C blocks from k0 (a multiple of 32): codes [R, C, 32] (fp32), d [R, C], the blocks [C]."""
-        blk = k0 // 32 + tl.arange(0, C)  # [C]
-        block = w_ptr + rows[:, None] * (K // 32 * 34) + (blk * 34)[None, :]  # [R, C]
-        mask = row_ok[:, None] & (blk < K // 32)[None, :]
+        blk, block, mask = block_runs(w_ptr, rows, row_ok, k0, K, C, 32, 32, 34)  # [C], [R, C], [R, C]
         q = tl.load(block[:, :, None] + 2 + tl.arange(0, 32)[None, None, :], mask=mask[:, :, None], other=0,
                     eviction_policy=EVICT)
         d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
@@ -100,8 +98,7 @@ if triton is not None:
         """Per block, d * sum(q v) (base.ExpertFormat.triton_dot)."""
         if BLOCK_K >= 32:
             q, d, blk = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first")
-            v = tl.load(v_ptr + (32 * blk)[:, None] + tl.arange(0, 32)[None, :], mask=(blk < K // 32)[:, None],
-                        other=0.0).to(tl.float32)  # [C, 32]
+            v = vector_runs(v_ptr, blk, K, 32, 32)  # [C, 32]
             return tl.sum(d * tl.sum(q * v[None, :, :], axis=2), axis=1)
         else:
             w = _in_one_block(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first")
