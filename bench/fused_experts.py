@@ -41,6 +41,9 @@ class Shape:
 SHAPES = [
     Shape("olmoe-1b-7b", hidden=2048, intermediate=1024, experts=64, top_k=8, layers=16),
     Shape("mixtral-8x7b", hidden=4096, intermediate=14336, experts=8, top_k=2, layers=4),
+    # the end-to-end benches' Mixtral-size model (bench/checkpoints.py expanded_default: the default
+    # model's H 256, its experts widened to 352 MB): few outputs, a very wide I
+    Shape("default-352mb", hidden=256, intermediate=229376, experts=8, top_k=2, layers=4),
 ]
 GATE_UP_SWEEP = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (16, 512, 4),
                  (16, 512, 8), (32, 128, 4), (32, 256, 4), (32, 512, 8)]  # rows, cols, warps

@@ -6,9 +6,12 @@ These two Triton kernels are memory-bound GEMVs that read the selected slots whe
 
 1. `_gate_up_kernel`, one program per (token, j-th expert, block of I rows):
    act = silu(gate_rows · x) * (up_rows · x), fp32, into act [T*k, I];
-2. `_down_kernel`, one program per (token, block of H outputs), looping over the token's k
-   experts: y = sum_j weight_j * down_j[h_block, :] · act_j, so the routing weights and the sum
-   over k are folded in, in a fixed order (deterministic: no atomics).
+2. `_down_kernel`, one program per (token, block of H outputs, chunk of I), looping over the
+   token's k experts: y = sum_j weight_j * down_j[h_block, i_chunk] · act_j[i_chunk], so the
+   routing weights and the sum over k are folded in, in a fixed order (deterministic: no atomics).
+   A model of few outputs and a wide I (the Mixtral-size bench model: H 256, I 229,120) gives too
+   few programs to fill the GPU with whole rows, so I is cut into chunks (`down_splits`), each
+   program's sum goes to a partial [splits, T, H], and `sum_partials` adds them in a fixed order.
 
 Weights are loaded through their matrix's format (formats/*.py `triton_load`, a compile-time argument):
 a quantized slot is read as stored and decoded in registers, and the plain format's load is the
@@ -16,8 +19,9 @@ bare tile load. A format that computes a tile's dot product with the vector itse
 int4, whose two weights a byte would otherwise be interleaved back into order) is called instead,
 each program then keeping one sum per row rather than a tile of partial products. Everything accumulates in fp32 and is cast to x's dtype once, at the end. No host sync, no
 data-dependent shape: CUDA graphs capture it. H and I are compile-time constants (one compile
-per model shape; masks vanish where the tiles divide them, and Triton 3.6's interpreter cannot
-loop over a runtime bound). Triton is imported guarded, so the package
+per model shape; masks vanish where the tiles divide them); a chunk's length is not, so that
+token counts choosing other chunks compile nothing new (Triton's interpreter, which the CPU tests
+run, takes such a loop bound from 3.9 on). Triton is imported guarded, so the package
 imports where it is absent (CPU CI); the torch path in compute.py stays the reference.
 """
 from __future__ import annotations
@@ -46,6 +50,14 @@ class FusedConfig:
     down_rows: int = 4  # outputs of H per down program: T * H / 4 programs
     down_cols: int = 1024  # elements of I per step
     down_warps: int = 4
+    down_splits: int | None = None  # chunks of I per down row block; None: down_splits() of the shape
+
+
+# Programs a kernel launch should have to keep every SM of an H100/H200 (132) busy a few deep: the
+# GEMVs are bound by the loads each program keeps in flight, so fewer, longer programs leave HBM idle.
+# On an H200 the bench model's down matrices (H 256: 32 programs of 8 rows at one token) took 0.56 ms
+# for 30 MB an expert, five times their gate/up (bench/results/quant/step-profile-int4-33-h200-before-splits.json)
+MIN_PROGRAMS = 512
 
 
 # tiles where the format has a triton_dot: a program then holds one sum per row, not a tile of
@@ -62,9 +74,19 @@ def default_config(tokens: int, hidden: int, intermediate: int, gate_up_dot: boo
     T = 1 and 4 (the sweep in bench/results/kernels/fused_experts.json, key "sweep"); DOT_CONFIG's
     for a matrix whose format has a triton_dot; clamped for small models."""
     gate_up, down = (DOT_CONFIG if dot else FusedConfig() for dot in (gate_up_dot, down_dot))
-    return replace(gate_up, gate_up_cols=min(gate_up.gate_up_cols, triton.next_power_of_2(hidden)),
+    cols = min(gate_up.gate_up_cols, triton.next_power_of_2(hidden))
+    # a narrow H takes more rows per program, so that each still reads a tile of the same size
+    rows = min(gate_up.gate_up_rows * gate_up.gate_up_cols // cols, triton.next_power_of_2(intermediate))
+    return replace(gate_up, gate_up_rows=max(rows, gate_up.gate_up_rows), gate_up_cols=cols,
                    down_rows=down.down_rows, down_cols=min(down.down_cols, triton.next_power_of_2(intermediate)),
                    down_warps=down.down_warps)
+
+
+def down_splits(row_blocks: int, intermediate: int, block_i: int, min_programs: int = MIN_PROGRAMS) -> int:
+    """Chunks to cut I into so that row_blocks * chunks programs reach min_programs: the fewest that
+    do and divide I's tiles evenly (every chunk then loops over the same whole tiles), at most one a tile."""
+    tiles = -(-intermediate // block_i)
+    return next(n for n in range(1, tiles + 1) if tiles % n == 0 and (row_blocks * n >= min_programs or n == tiles))
 
 
 def fused_experts_available(device: torch.device | str) -> bool:
@@ -98,11 +120,28 @@ def fused_experts(
             x_ptr=x, **_with_dot(layout, slots, "gate_up"), ids_ptr=ids, act_ptr=act, H=h, I=i, K=k,
             BLOCK_I=cfg.gate_up_rows, BLOCK_H=cfg.gate_up_cols, num_warps=cfg.gate_up_warps,
         )
-    _down_kernel[(t, triton.cdiv(h, cfg.down_rows))](
-        act_ptr=act, **_with_dot(layout, slots, "down"), ids_ptr=ids, weights_ptr=weights, out_ptr=out, H=h, I=i,
-        K=k, BLOCK_H=cfg.down_rows, BLOCK_I=cfg.down_cols, num_warps=cfg.down_warps,
+    row_blocks = triton.cdiv(h, cfg.down_rows)
+    tiles = triton.cdiv(i, cfg.down_cols)
+    splits = cfg.down_splits or down_splits(t * row_blocks, i, cfg.down_cols)
+    assert tiles % splits == 0, f"{splits} chunks do not divide I's {tiles} tiles"
+    partial = out if splits == 1 else torch.empty(splits, t, h, dtype=torch.float32, device=x.device)  # [splits, T, H]
+    _down_kernel[(t, row_blocks, splits)](
+        act_ptr=act, **_with_dot(layout, slots, "down"), ids_ptr=ids, weights_ptr=weights, out_ptr=partial,
+        i_chunk=tiles // splits * cfg.down_cols, H=h, I=i, K=k, BLOCK_H=cfg.down_rows, BLOCK_I=cfg.down_cols,
+        PARTIAL=splits > 1, num_warps=cfg.down_warps,
     )
+    if splits > 1:
+        sum_partials(partial, out, 1)
     return out
+
+
+def sum_partials(partial: torch.Tensor, out: torch.Tensor, k: int) -> None:
+    """out [T, H] = the sum over each token's k pairs (token * k + j) and over the chunks of I of
+    partial [splits, T*k, H] (fp32), pairs in routing order, chunks in order: deterministic."""
+    splits, pairs, h = partial.shape
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_partials_kernel[(pairs // k, triton.cdiv(h, block_h))](partial, out, pairs, splits, H=h, K=k,
+                                                               BLOCK_H=block_h)
 
 
 def matrix_operands(layout: ExpertLayout, slots: torch.Tensor, matrix: str) -> dict:
@@ -159,13 +198,14 @@ if triton is not None:
         tl.store(act_ptr + pair * I + rows, g * tl.sigmoid(g) * u, mask=row_ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, row_stride, scale_stride, H: tl.constexpr,
-                     I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
-                     DOT: tl.constexpr, USE_DOT: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, row_stride, scale_stride, i_chunk,
+                     H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, PARTIAL: tl.constexpr, LOAD: tl.constexpr,
+                     COLS: tl.constexpr, DOT: tl.constexpr, USE_DOT: tl.constexpr):
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs
         row_ok = rows < H
+        first = tl.program_id(2) * i_chunk  # this program's chunk of I: whole tiles
         y = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):  # the k experts in routing order: a fixed summation order
             pair = token * K + j
@@ -174,11 +214,13 @@ if triton is not None:
             scale_ptr = s_ptr + slot * scale_stride + SCALES
             if USE_DOT:
                 dots = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for i0 in range(0, I, BLOCK_I):
-                    dots += DOT(down_ptr, scale_ptr, rows, row_ok, i0, I, BLOCK_I, act_ptr + pair * I)  # [BLOCK_H]
+                for step in range(0, i_chunk, BLOCK_I):
+                    dots += DOT(down_ptr, scale_ptr, rows, row_ok, first + step, I, BLOCK_I,
+                                act_ptr + pair * I)  # [BLOCK_H]
             else:
                 acc = tl.zeros([BLOCK_H, BLOCK_I], dtype=tl.float32)
-                for i0 in range(0, I, BLOCK_I):
+                for step in range(0, i_chunk, BLOCK_I):
+                    i0 = first + step
                     col = COLS(i0, BLOCK_I)  # [BLOCK_I] in the order of the loaded tile's columns
                     col_ok = col < I
                     a = tl.load(act_ptr + pair * I + col, mask=col_ok, other=0.0)  # [BLOCK_I] fp32
@@ -186,4 +228,19 @@ if triton is not None:
                     acc += w.to(tl.float32) * a[None, :]
                 dots = tl.sum(acc, axis=1)
             y += tl.load(weights_ptr + pair).to(tl.float32) * dots
-        tl.store(out_ptr + token * H + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+        if PARTIAL:  # out_ptr is the fp32 partial [splits, T, H]
+            tl.store(out_ptr + (tl.program_id(2) * tl.num_programs(0) + token) * H + rows, y, mask=row_ok)
+        else:  # out_ptr is the output [T, H]
+            tl.store(out_ptr + token * H + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+    @triton.jit
+    def _sum_partials_kernel(partial_ptr, out_ptr, pairs, splits, H: tl.constexpr, K: tl.constexpr,
+                             BLOCK_H: tl.constexpr):
+        token = tl.program_id(0)
+        outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        out_ok = outs < H
+        total = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(K):  # the k experts in routing order, each over its chunks of I in order
+            for split in range(splits):
+                total += tl.load(partial_ptr + (split * pairs + token * K + j) * H + outs, mask=out_ok, other=0.0)
+        tl.store(out_ptr + token * H + outs, total.to(out_ptr.dtype.element_ty), mask=out_ok)

@@ -12,9 +12,11 @@ weight tile once for up to BLOCK_M tokens with tl.dot:
 1. `_gate_up_kernel`, one program per (block, tile of I): act = silu(x·gate^T) * (x·up^T), fp32
    accumulation, stored per pair in x's dtype (tl.dot's operands must match: the torch path
    rounds act the same way);
-2. `_down_kernel`, one program per (block, tile of H): y = weight * act·down^T, fp32, per pair;
-3. `_sum_pairs_kernel`, one program per (token, tile of H): the k pairs summed in routing order
-   (deterministic, no atomics), cast to x's dtype once.
+2. `_down_kernel`, one program per (block, tile of H, chunk of I): y = weight * act·down^T over
+   the chunk, fp32, per pair (I is cut into chunks where the blocks and H's tiles alone are too few
+   programs, as in fused_experts.py);
+3. `fused_experts.sum_partials`, one program per (token, tile of H): the k pairs and the chunks
+   summed in routing order (deterministic, no atomics), cast to x's dtype once.
 
 Weight tiles are loaded through the layout's format (formats/*.py `triton_load`, a compile-time
 argument): quantized slots are read as stored and decoded in registers into x's dtype before
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.engine.experts.fused_experts import matrix_operands
+from moe_serve.engine.experts.fused_experts import down_splits, matrix_operands, sum_partials
 from moe_serve.engine.experts.layout import ExpertLayout
 
 try:
@@ -59,7 +61,7 @@ class GroupedConfig:
     down_block_i: int = 128  # elements of I per loop step
     down_warps: int = 4
     down_stages: int = 4
-    sum_block_h: int = 1024  # outputs of H per program of the sum over k
+    down_splits: int | None = None  # chunks of I per down program's tile; None: fused_experts.down_splits
 
 
 @dataclass(frozen=True)
@@ -146,8 +148,7 @@ def fit_config(cfg: GroupedConfig, hidden: int, intermediate: int, dtype: torch.
         gate_up_block_i=fit(cfg.gate_up_block_i, intermediate), gate_up_block_h=fit(cfg.gate_up_block_h, hidden),
         gate_up_warps=cfg.gate_up_warps, gate_up_stages=stages(cfg.gate_up_stages),
         down_block_h=fit(cfg.down_block_h, hidden), down_block_i=fit(cfg.down_block_i, intermediate),
-        down_warps=cfg.down_warps, down_stages=stages(cfg.down_stages),
-        sum_block_h=min(cfg.sum_block_h, triton.next_power_of_2(hidden)),
+        down_warps=cfg.down_warps, down_stages=stages(cfg.down_stages), down_splits=cfg.down_splits,
     )
 
 
@@ -166,7 +167,10 @@ def grouped_experts(
     blocks = block_layout(slot_ids, slots.shape[0], cfg.block_m)
     grid_blocks = blocks.block_slot.shape[0]  # the most blocks any routing needs
     act = torch.empty(t * k, i, dtype=layout.dtype, device=x.device)  # [P, I]
-    y = torch.empty(t * k, h, dtype=torch.float32, device=x.device)  # [P, H] weighted, per pair
+    h_tiles, i_tiles = triton.cdiv(h, cfg.down_block_h), triton.cdiv(i, cfg.down_block_i)
+    splits = cfg.down_splits or down_splits(grid_blocks * h_tiles, i, cfg.down_block_i)
+    assert i_tiles % splits == 0, f"{splits} chunks do not divide I's {i_tiles} tiles"
+    y = torch.empty(splits, t * k, h, dtype=torch.float32, device=x.device)  # [splits, P, H] weighted, per pair
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
     pairs = {"order_ptr": blocks.order, "block_slot_ptr": blocks.block_slot, "block_first_ptr": blocks.block_first,
              "block_rows_ptr": blocks.block_rows, "num_blocks_ptr": blocks.num_blocks}
@@ -175,12 +179,13 @@ def grouped_experts(
         BLOCK_M=cfg.block_m, BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
     )
-    _down_kernel[(grid_blocks, triton.cdiv(h, cfg.down_block_h))](
+    _down_kernel[(grid_blocks, h_tiles, splits)](
         act_ptr=act, **matrix_operands(layout, slots, "down"), weights_ptr=expert_weights.reshape(-1).contiguous(),
-        **pairs, y_ptr=y, H=h, I=i, BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i,
-        num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+        **pairs, y_ptr=y, pair_count=t * k, i_chunk=i_tiles // splits * cfg.down_block_i, H=h, I=i,
+        BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i, num_warps=cfg.down_warps,
+        num_stages=cfg.down_stages,
     )
-    _sum_pairs_kernel[(t, triton.cdiv(h, cfg.sum_block_h))](y, out, H=h, K=k, BLOCK_H=cfg.sum_block_h)
+    sum_partials(y, out, k)
     return out
 
 
@@ -259,9 +264,9 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
-                     num_blocks_ptr, y_ptr, row_stride, scale_stride, H: tl.constexpr, I: tl.constexpr,
-                     DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
-                     BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr):
+                     num_blocks_ptr, y_ptr, pair_count, i_chunk, row_stride, scale_stride, H: tl.constexpr,
+                     I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):
             return
@@ -271,7 +276,9 @@ if triton is not None:
         outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs of H
         out_ok = outs < H
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
-        for i0 in range(0, I, BLOCK_I):
+        first = tl.program_id(2) * i_chunk  # this program's chunk of I: whole tiles
+        for step in range(0, i_chunk, BLOCK_I):
+            i0 = first + step
             col = COLS(i0, BLOCK_I)  # [BLOCK_I] in the order of the loaded tile's columns
             col_ok = col < I
             a = tl.load(act_ptr + pairs[:, None] * I + col[None, :], mask=pair_ok[:, None] & col_ok[None, :],
@@ -280,15 +287,5 @@ if triton is not None:
             w = LOAD(down_ptr, scale_ptr, outs, out_ok, i0, I, BLOCK_I, True, "").to(a.dtype)
             acc = tl.dot(a, w, acc, input_precision="ieee")
         weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
-        tl.store(y_ptr + pairs[:, None] * H + outs[None, :], acc * weight[:, None],
+        tl.store(y_ptr + (tl.program_id(2) * pair_count + pairs[:, None]) * H + outs[None, :], acc * weight[:, None],
                  mask=pair_ok[:, None] & out_ok[None, :])
-
-    @triton.jit
-    def _sum_pairs_kernel(y_ptr, out_ptr, H: tl.constexpr, K: tl.constexpr, BLOCK_H: tl.constexpr):
-        token = tl.program_id(0)
-        outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        out_ok = outs < H
-        total = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(K):  # the k experts in routing order: a fixed summation order
-            total += tl.load(y_ptr + (token * K + j) * H + outs, mask=out_ok, other=0.0)
-        tl.store(out_ptr + token * H + outs, total.to(out_ptr.dtype.element_ty), mask=out_ok)

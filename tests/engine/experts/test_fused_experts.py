@@ -21,7 +21,9 @@ from moe_serve.engine.experts.compute import (
 )
 from moe_serve.engine.experts.formats import FORMAT_NAMES
 from moe_serve.engine.experts.fused_experts import (
+    MIN_PROGRAMS,
     FusedConfig,
+    down_splits,
     fused_experts,
     fused_experts_available,
 )
@@ -45,7 +47,8 @@ CASES = [(37, 19, 1, 1), (37, 19, 3, 2), (16, 24, 3, 4), (40, 33, 1, 4), (24, 8,
 # quantized formats, fewer cases (the interpreter is slow): odd K for int4's half-filled last byte
 # and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups
 QUANT_CASES = [(37, 19, 3, 2), (40, 33, 1, 4), (256, 64, 2, 2)]
-CUDA_CASES = [(256, 128, 1, 8), (256, 128, 3, 8), (200, 72, 4, 2), (2048, 1024, 1, 8)]
+# (256, 4096, 1, 2): H's 32 row blocks of 8 leave I in chunks (down_splits), as on the bench model
+CUDA_CASES = [(256, 128, 1, 8), (256, 128, 3, 8), (200, 72, 4, 2), (2048, 1024, 1, 8), (256, 4096, 1, 2)]
 
 
 def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none"):
@@ -87,6 +90,17 @@ def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
     run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
 
 
+def test_down_splits_cut_a_wide_I_into_whole_tiles_until_the_programs_fill_the_gpu():
+    # the bench model's down matrix at one token: H 256 in 32 blocks of 8 rows, I 229,120 in 224 tiles
+    assert down_splits(32, 229120, 1024) == 16 and 32 * 16 >= MIN_PROGRAMS
+    assert down_splits(512, 14336, 1024) == 1  # Mixtral's H 4096: whole rows are programs enough
+    assert down_splits(1, 19, 8) == 3  # never more chunks than tiles
+    for blocks, i, block_i in [(7, 5000, 128), (3, 1790 * 128, 128), (100, 99, 16), (64, 229120, 1024)]:
+        tiles, n = -(-i // block_i), down_splits(blocks, i, block_i)
+        assert tiles % n == 0 and (blocks * n >= MIN_PROGRAMS or n == tiles)
+        assert all(tiles % m or blocks * m < MIN_PROGRAMS for m in range(1, n))  # the fewest that do
+
+
 def test_not_available_on_cpu():
     assert not fused_experts_available("cpu")
     layout, slots, x, ids, weights = _problem(16, 8, 1, 2, torch.float32, "cpu")
@@ -112,13 +126,13 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
 
 @needs_cuda
 def test_cuda_graph_replays_new_inputs():
-    layout, slots, x, ids, weights = _problem(256, 128, 2, 4, torch.bfloat16, "cuda")
+    layout, slots, x, ids, weights = _problem(256, 2048, 2, 4, torch.bfloat16, "cuda")  # I in chunks, summed
     fused_experts(x, weights, slots, ids, layout)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = fused_experts(x, weights, slots, ids, layout)
-    _, _, x2, ids2, weights2 = _problem(256, 128, 2, 4, torch.bfloat16, "cuda", seed=1)
+    _, _, x2, ids2, weights2 = _problem(256, 2048, 2, 4, torch.bfloat16, "cuda", seed=1)
     for static, new in ((x, x2), (ids, ids2), (weights, weights2)):
         static.copy_(new)
     graph.replay()

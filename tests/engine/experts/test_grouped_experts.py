@@ -45,7 +45,8 @@ QUANT_CASES = [(37, 19, 5, 2), (40, 33, 17, 4), (256, 64, 9, 2)]
 # (T, k, S, block_m) for the block layout alone
 LAYOUT_CASES = [(1, 1, 1, 16), (17, 4, 9, 16), (64, 2, 8, 16), (32, 8, 64, 16), (9, 3, 40, 4), (50, 1, 3, 7),
                 (64, 8, 2, 16)]
-CUDA_CASES = [(256, 128, 32, 2), (200, 72, 17, 4), (2048, 1024, 32, 2), (2048, 1024, 8, 8)]
+# (256, 4096, 13, 2): H's 4 tiles leave I in chunks (fused_experts.down_splits), as a verify pass of the bench model
+CUDA_CASES = [(256, 128, 32, 2), (200, 72, 17, 4), (2048, 1024, 32, 2), (2048, 1024, 8, 8), (256, 4096, 13, 2)]
 
 
 def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none"):
@@ -67,7 +68,7 @@ def tiny_config():
     from moe_serve.engine.experts.grouped_experts import GroupedConfig
 
     return GroupedConfig(block_m=16, gate_up_block_i=16, gate_up_block_h=16, gate_up_warps=1, gate_up_stages=1,
-                         down_block_h=16, down_block_i=16, down_warps=1, down_stages=1, sum_block_h=16)
+                         down_block_h=16, down_block_i=16, down_warps=1, down_stages=1)
 
 
 def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none") -> None:
