@@ -7,7 +7,8 @@ own layer's slot buffer with distinct slots for every (token, j) while T*k <= ex
 little is served from L2), and timed as the median of CUDA-event-timed replays. GB/s = T*k
 expert rows / time per call, against a device-to-device copy measured in the same run; both
 paths read every (token, j) row, repeated experts included. --sweep also times the kernel's
-tile configurations, one kernel's at a time.
+tile configurations, one kernel's at a time, then every number of chunks the down GEMV can cut I
+into (`down_splits`: what MIN_PROGRAMS should be per format and shape).
 """
 from __future__ import annotations
 
@@ -114,26 +115,41 @@ def fused_with(config: FusedConfig):
     return lambda x, w, s, i, layout: fused_experts(x, w, s, i, layout, config=config)
 
 
+def _best_tile(timings: dict[str, float]) -> tuple[int, int, int]:
+    """(rows, cols, warps) of the fastest "RxCwW" key."""
+    rows, rest = min(timings, key=timings.get).split("x")
+    cols, warps = rest.split("w")
+    return int(rows), int(cols), int(warps)
+
+
 def sweep(problem: Problem, shape: Shape, tokens: int, deadline: float, gate_up_grid=GATE_UP_SWEEP,
           down_grid=DOWN_SWEEP) -> dict:
-    """Gate/up tiles under the default down tiles, then down tiles under the best gate/up ones."""
+    """Gate/up tiles under the default down tiles, then down tiles under the best gate/up ones, then
+    every number of chunks of I (FusedConfig.down_splits) under the best of both."""
     base = default_config(tokens, shape.hidden, shape.intermediate)
-    result: dict = {"gate_up": {}, "down": {}}
+    result: dict = {"gate_up": {}, "down": {}, "down_splits": {}}
     for rows, cols, warps in gate_up_grid:
         if time.monotonic() > deadline:
             break
         cfg = replace(base, gate_up_rows=rows, gate_up_cols=cols, gate_up_warps=warps)
         result["gate_up"][f"{rows}x{cols}w{warps}"] = graph_ms_per_call(problem, fused_with(cfg), shape.layers, 10)
     if result["gate_up"]:
-        best = min(result["gate_up"], key=result["gate_up"].get)
-        rows, rest = best.split("x")
-        cols, warps = rest.split("w")
-        base = replace(base, gate_up_rows=int(rows), gate_up_cols=int(cols), gate_up_warps=int(warps))
+        rows, cols, warps = _best_tile(result["gate_up"])
+        base = replace(base, gate_up_rows=rows, gate_up_cols=cols, gate_up_warps=warps)
     for rows, cols, warps in down_grid:
         if time.monotonic() > deadline:
             break
         cfg = replace(base, down_rows=rows, down_cols=cols, down_warps=warps)
         result["down"][f"{rows}x{cols}w{warps}"] = graph_ms_per_call(problem, fused_with(cfg), shape.layers, 10)
+    if result["down"]:
+        rows, cols, warps = _best_tile(result["down"])
+        base = replace(base, down_rows=rows, down_cols=cols, down_warps=warps)
+    tiles = -(-shape.intermediate // base.down_cols)
+    for splits in (n for n in range(1, tiles + 1) if tiles % n == 0):
+        if time.monotonic() > deadline:
+            break
+        cfg = replace(base, down_splits=splits)
+        result["down_splits"][str(splits)] = graph_ms_per_call(problem, fused_with(cfg), shape.layers, 10)
     return result
 
 
