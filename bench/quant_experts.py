@@ -13,10 +13,11 @@ speedup over bf16 should approach its byte ratio (int4 ~3.9x, int8 and fp8 ~2x).
 fp32 math on the same quantized rows (the kernel's own error), and against the bf16 experts'
 output (what the format costs).
 
---sweep: per quantized format, at the Mixtral shape, the fused kernel's tiles at T = 1 and the
-grouped kernel's at T = 32 (bench/fused_experts.py's and bench/grouped_experts.py's sweeps over
-grids of wider K steps: a quantized tile of the bf16 defaults' width moves 1/2 or 1/4 the bytes
-per loop step). Written under the key "sweeps".
+--sweep: per quantized format, at the Mixtral shape (or each of --shapes where given), the fused
+kernel's tiles and chunks of I at T = 1 and the grouped kernel's tiles at T = 32
+(bench/fused_experts.py's and bench/grouped_experts.py's sweeps over grids of wider K steps: a
+quantized tile of the bf16 defaults' width moves 1/2 or 1/4 the bytes per loop step). Written
+under the key "sweeps", by shape.
 """
 from __future__ import annotations
 
@@ -175,7 +176,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="a JSON file; its name should contain 'quant'")
     parser.add_argument("--tokens", default="1,32")
-    parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    parser.add_argument("--shapes", default=None, help="default: every shape (--sweep: mixtral-8x7b)")
     parser.add_argument("--formats", default=",".join(FORMAT_NAMES), help="none (bf16) first: the baseline")
     parser.add_argument("--sweep", action="store_true", help="only the tile sweeps of the quantized formats")
     args = parser.parse_args()
@@ -188,12 +189,14 @@ def main() -> None:
               "copy_gbps_read_plus_write": hbm, "rows": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tokens = list(map(int, args.tokens.split(",")))
+    names = args.shapes.split(",") if args.shapes else ["mixtral-8x7b"] if args.sweep else [s.name for s in SHAPES]
     if args.sweep:
-        shape = next(s for s in SHAPES if s.name == "mixtral-8x7b")
-        result["sweeps"] = sweeps(shape, formats[1:])
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        result["sweeps"] = {}
+        for shape in (s for s in SHAPES if s.name in names):
+            result["sweeps"][shape.name] = sweeps(shape, formats[1:])
+            Path(args.out).write_text(json.dumps(result, indent=2))
         return
-    for shape in (s for s in SHAPES if s.name in args.shapes.split(",")):
+    for shape in (s for s in SHAPES if s.name in names):
         result["rows"] += rows_for_shape(shape, tokens, hbm, formats)
         Path(args.out).write_text(json.dumps(result, indent=2))  # after every shape: a timeout keeps the rest
         torch.cuda.empty_cache()
