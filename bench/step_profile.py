@@ -6,8 +6,10 @@
 Builds the engine as bench/batch_throughput.py's `--table mixtral` does (the default model, its
 experts widened to --expert-mb), decodes one greedy sequence past its warm-up, then profiles
 --steps engine steps. Per step: wall time, the union of the GPU's busy intervals (kernels and
-copies, any stream), host-to-device copy time and count; over all steps: each kernel's mean time
-per step, largest first. `gpu_idle_ms` (wall minus busy) is what the host alone costs a step.
+copies, any stream), host-to-device copy time and count, and the GPU's idle stretches of 20 us or
+more between its first and last work (where it waited on the host: a layer's routing read back,
+its bookkeeping, the next launch); over all steps: each kernel's mean time per step, largest
+first. `gpu_idle_ms` (wall minus busy) is what the host alone costs a step.
 --trace also writes the Chrome trace.
 """
 from __future__ import annotations
@@ -37,14 +39,18 @@ GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP = "engine-step-"
 
 
-def busy_union(intervals: list[tuple[float, float]]) -> float:
-    """Total length of the union of [start, end) intervals."""
-    total, end = 0.0, float("-inf")
+MIN_GAP_US = 20  # idle stretches of the GPU listed per step: from this long
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as disjoint ones, in order."""
+    union: list[tuple[float, float]] = []
     for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
+        if union and start <= union[-1][1]:
+            union[-1] = (union[-1][0], max(union[-1][1], stop))
+        else:
+            union.append((start, stop))
+    return union
 
 
 def summarize(events: list[dict], walls: list[float]) -> dict:
@@ -60,9 +66,13 @@ def summarize(events: list[dict], walls: list[float]) -> dict:
         for e in inside:
             per_kernel[e["name"][:80]] += e["dur"] / len(steps)
         h2d = [e["dur"] for e in inside if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
-        busy = busy_union([(e["ts"], e["ts"] + e["dur"]) for e in inside])
+        union = merged([(e["ts"], e["ts"] + e["dur"]) for e in inside])
+        busy = sum(stop - begin for begin, stop in union)
+        # where the GPU waited on the host within the step: [us from the step's start, us idle]
+        gaps = [(round(stop - start), round(following - stop)) for (_, stop), (following, _) in zip(union, union[1:])
+                if following - stop >= MIN_GAP_US]
         rows.append({"wall_ms": 1e3 * wall, "gpu_busy_ms": busy / 1e3, "gpu_idle_ms": 1e3 * wall - busy / 1e3,
-                     "h2d_ms": sum(h2d) / 1e3, "h2d_copies": len(h2d)})
+                     "h2d_ms": sum(h2d) / 1e3, "h2d_copies": len(h2d), "idle_gaps_us": gaps})
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
     return {"steps": rows, "mean_us_per_step": [{"name": name, "us": us} for name, us in top[:30]]}
 

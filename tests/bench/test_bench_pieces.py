@@ -12,7 +12,7 @@ from bench.cutoff_sweep import verdict
 from bench.floor import Bandwidths, StepBytes, floor_seconds, step_bytes
 from bench.report import markdown
 from bench.rows import RowResult, failed_row
-from bench.step_profile import STEP, busy_union, summarize
+from bench.step_profile import STEP, merged, summarize
 from moe_serve.engine.speculative.switch import SpecSwitch
 from tests.tiny_checkpoints import build_tiny_checkpoint, tiny_hf_model
 
@@ -96,18 +96,20 @@ def test_spec_arrivals_closed_loop_keeps_its_clients_and_counts_rounds_with_pref
 
 
 def test_step_profile_sums_kernels_per_step_and_the_gpus_busy_union() -> None:
-    assert busy_union([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
+    assert merged([(20, 25), (0, 10), (5, 12), (21, 22), (25, 30)]) == [(0, 12), (20, 30)]
     kernel = {"cat": "kernel", "name": "_down_kernel"}
     step = {"cat": "user_annotation"}
     events = [{**step, "name": f"{STEP}0", "ts": 0, "dur": 100}, {**step, "name": f"{STEP}1", "ts": 100, "dur": 50},
               {"cat": "gpu_user_annotation", "name": f"{STEP}1", "ts": 105, "dur": 60},  # the GPU's copy of a range
               {**kernel, "ts": 10, "dur": 30}, {**kernel, "ts": 20, "dur": 30},  # overlapping: busy 40
+              {**kernel, "ts": 80, "dur": 10},  # after 30 us idle
               {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 110, "dur": 20},
               {**kernel, "ts": 140, "dur": 40}]  # launched in step 1, running past its end
     summary = summarize(events, walls=[100e-6, 50e-6])
-    assert summary["steps"][0] == {"wall_ms": 0.1, "gpu_busy_ms": 0.04, "gpu_idle_ms": pytest.approx(0.06),
-                                   "h2d_ms": 0.0, "h2d_copies": 0}
+    assert summary["steps"][0] == {"wall_ms": 0.1, "gpu_busy_ms": 0.05, "gpu_idle_ms": pytest.approx(0.05),
+                                   "h2d_ms": 0.0, "h2d_copies": 0, "idle_gaps_us": [(50, 30)]}
     assert summary["steps"][1]["h2d_ms"] == 0.02 and summary["steps"][1]["h2d_copies"] == 1
     assert summary["steps"][1]["gpu_busy_ms"] == 0.06
-    assert summary["mean_us_per_step"] == [{"name": "_down_kernel", "us": 50.0},
+    assert summary["steps"][1]["idle_gaps_us"] == []  # 130 -> 140: 10 us, under MIN_GAP_US
+    assert summary["mean_us_per_step"] == [{"name": "_down_kernel", "us": 55.0},
                                            {"name": "Memcpy HtoD (Pinned -> Device)", "us": 10.0}]
