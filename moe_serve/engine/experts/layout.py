@@ -93,19 +93,21 @@ class ExpertLayout:
                 offset = _aligned(offset + section.nbytes)
         return found
 
-    @property
+    # row_dtype, nbytes and numel are read per copied expert (ExpertStore.row); a layout is frozen,
+    # so each is worked out once
+    @cached_property
     def row_dtype(self) -> torch.dtype:
         """The element of a row: the data's own dtype when that is all there is (an unquantized row
         is a plain weight array), bytes otherwise."""
         dtypes = {s.dtype for s in self.sections.values()}
         return dtypes.pop() if len(dtypes) == 1 else torch.uint8
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes of one expert's row: what one expert slot holds and one miss copies."""
         return _aligned(max(s.offset + s.nbytes for s in self.sections.values()))
 
-    @property
+    @cached_property
     def numel(self) -> int:
         """Elements of row_dtype per row."""
         return self.nbytes // self.row_dtype.itemsize
