@@ -37,8 +37,6 @@ from moe_serve.engine.messages import GenerateRequest, SamplingParams  # noqa: E
 
 GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP = "engine-step-"
-
-
 MIN_GAP_US = 20  # idle stretches of the GPU listed per step: from this long
 
 
@@ -61,16 +59,16 @@ def summarize(events: list[dict], walls: list[float]) -> dict:
     gpu = [e for e in events if e.get("cat") in GPU_EVENTS and "dur" in e]
     per_kernel: dict[str, float] = defaultdict(float)
     rows = []
-    for (start, stop), wall in zip(steps, walls):
-        inside = [e for e in gpu if start <= e["ts"] < stop]  # launched in the step (may run past its end)
+    for (step_start, step_end), wall in zip(steps, walls):
+        inside = [e for e in gpu if step_start <= e["ts"] < step_end]  # launched in the step (may run past its end)
         for e in inside:
             per_kernel[e["name"][:80]] += e["dur"] / len(steps)
         h2d = [e["dur"] for e in inside if e["cat"] == "gpu_memcpy" and "HtoD" in e["name"]]
         union = merged([(e["ts"], e["ts"] + e["dur"]) for e in inside])
-        busy = sum(stop - begin for begin, stop in union)
+        busy = sum(end - begin for begin, end in union)
         # where the GPU waited on the host within the step: [us from the step's start, us idle]
-        gaps = [(round(stop - start), round(following - stop)) for (_, stop), (following, _) in zip(union, union[1:])
-                if following - stop >= MIN_GAP_US]
+        gaps = [(round(end - step_start), round(following - end)) for (_, end), (following, _) in zip(union, union[1:])
+                if following - end >= MIN_GAP_US]
         rows.append({"wall_ms": 1e3 * wall, "gpu_busy_ms": busy / 1e3, "gpu_idle_ms": 1e3 * wall - busy / 1e3,
                      "h2d_ms": sum(h2d) / 1e3, "h2d_copies": len(h2d), "idle_gaps_us": gaps})
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
