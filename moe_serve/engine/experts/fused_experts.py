@@ -27,6 +27,7 @@ imports where it is absent (CPU CI); the torch path in compute.py stays the refe
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 
 import torch
 
@@ -82,11 +83,19 @@ def default_config(tokens: int, hidden: int, intermediate: int, gate_up_dot: boo
                    down_warps=down.down_warps)
 
 
+@cache  # a search over up to I's tiles, asked at every eager layer call with the same few shapes
 def down_splits(row_blocks: int, intermediate: int, block_i: int, min_programs: int = MIN_PROGRAMS) -> int:
     """Chunks to cut I into so that row_blocks * chunks programs reach min_programs: the fewest that
     do and divide I's tiles evenly (every chunk then loops over the same whole tiles), at most one a tile."""
     tiles = -(-intermediate // block_i)
     return next(n for n in range(1, tiles + 1) if tiles % n == 0 and (row_blocks * n >= min_programs or n == tiles))
+
+
+def chunk_length(intermediate: int, block_i: int, splits: int) -> int:
+    """Elements of I per chunk when I is cut into `splits` chunks of whole tiles of block_i."""
+    tiles = -(-intermediate // block_i)
+    assert tiles % splits == 0, f"{splits} chunks do not divide I's {tiles} tiles"
+    return tiles // splits * block_i
 
 
 def fused_experts_available(device: torch.device | str) -> bool:
@@ -121,13 +130,11 @@ def fused_experts(
             BLOCK_I=cfg.gate_up_rows, BLOCK_H=cfg.gate_up_cols, num_warps=cfg.gate_up_warps,
         )
     row_blocks = triton.cdiv(h, cfg.down_rows)
-    tiles = triton.cdiv(i, cfg.down_cols)
     splits = cfg.down_splits or down_splits(t * row_blocks, i, cfg.down_cols)
-    assert tiles % splits == 0, f"{splits} chunks do not divide I's {tiles} tiles"
     partial = out if splits == 1 else torch.empty(splits, t, h, dtype=torch.float32, device=x.device)  # [splits, T, H]
     _down_kernel[(t, row_blocks, splits)](
         act_ptr=act, **_with_dot(layout, slots, "down"), ids_ptr=ids, weights_ptr=weights, out_ptr=partial,
-        i_chunk=tiles // splits * cfg.down_cols, H=h, I=i, K=k, BLOCK_H=cfg.down_rows, BLOCK_I=cfg.down_cols,
+        i_chunk=chunk_length(i, cfg.down_cols, splits), H=h, I=i, K=k, BLOCK_H=cfg.down_rows, BLOCK_I=cfg.down_cols,
         PARTIAL=splits > 1, num_warps=cfg.down_warps,
     )
     if splits > 1:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.engine.experts.fused_experts import down_splits, matrix_operands, sum_partials
+from moe_serve.engine.experts.fused_experts import chunk_length, down_splits, matrix_operands, sum_partials
 from moe_serve.engine.experts.layout import ExpertLayout
 
 try:
@@ -167,9 +167,8 @@ def grouped_experts(
     blocks = block_layout(slot_ids, slots.shape[0], cfg.block_m)
     grid_blocks = blocks.block_slot.shape[0]  # the most blocks any routing needs
     act = torch.empty(t * k, i, dtype=layout.dtype, device=x.device)  # [P, I]
-    h_tiles, i_tiles = triton.cdiv(h, cfg.down_block_h), triton.cdiv(i, cfg.down_block_i)
+    h_tiles = triton.cdiv(h, cfg.down_block_h)
     splits = cfg.down_splits or down_splits(grid_blocks * h_tiles, i, cfg.down_block_i)
-    assert i_tiles % splits == 0, f"{splits} chunks do not divide I's {i_tiles} tiles"
     y = torch.empty(splits, t * k, h, dtype=torch.float32, device=x.device)  # [splits, P, H] weighted, per pair
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
     pairs = {"order_ptr": blocks.order, "block_slot_ptr": blocks.block_slot, "block_first_ptr": blocks.block_first,
@@ -181,7 +180,7 @@ def grouped_experts(
     )
     _down_kernel[(grid_blocks, h_tiles, splits)](
         act_ptr=act, **matrix_operands(layout, slots, "down"), weights_ptr=expert_weights.reshape(-1).contiguous(),
-        **pairs, y_ptr=y, pair_count=t * k, i_chunk=i_tiles // splits * cfg.down_block_i, H=h, I=i,
+        **pairs, y_ptr=y, pair_count=t * k, i_chunk=chunk_length(i, cfg.down_block_i, splits), H=h, I=i,
         BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )

@@ -23,6 +23,7 @@ from moe_serve.engine.experts.formats import FORMAT_NAMES
 from moe_serve.engine.experts.fused_experts import (
     MIN_PROGRAMS,
     FusedConfig,
+    chunk_length,
     down_splits,
     fused_experts,
     fused_experts_available,
@@ -99,6 +100,9 @@ def test_down_splits_cut_a_wide_I_into_whole_tiles_until_the_programs_fill_the_g
         tiles, n = -(-i // block_i), down_splits(blocks, i, block_i)
         assert tiles % n == 0 and (blocks * n >= MIN_PROGRAMS or n == tiles)
         assert all(tiles % m or blocks * m < MIN_PROGRAMS for m in range(1, n))  # the fewest that do
+    assert chunk_length(229120, 1024, 16) == 14 * 1024  # whole tiles, the last one past I
+    with pytest.raises(AssertionError, match="do not divide"):
+        chunk_length(229120, 1024, 3)
 
 
 def test_not_available_on_cpu():
