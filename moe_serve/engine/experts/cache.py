@@ -198,11 +198,14 @@ class Wave:
     leftover: list[int]  # experts that found no expert slot: the next wave
     allocation: torch.Tensor  # the cache's expert slots [S, numel]
 
+    def slots(self, *, landed: bool) -> dict[int, int]:
+        """expert -> expert slot of the experts readable at once (landed) or only after `wait_pending`."""
+        return {e: s for e, s in self.expert_slots.items() if (e not in self.pending) == landed}
+
     def rows(self, *, landed: bool) -> dict[int, torch.Tensor]:
-        """expert -> expert-slot row [numel] of the experts readable at once (landed) or only after
-        `wait_pending` (not landed). Views are made here, not per acquire: one-token compute
-        gathers by expert slot and never needs them."""
-        return {e: self.allocation[s] for e, s in self.expert_slots.items() if (e not in self.pending) == landed}
+        """slots(landed) as expert -> expert-slot row [numel]. Views are made here, not per acquire:
+        compute that reads the expert slots in place never needs them."""
+        return {e: self.allocation[s] for e, s in self.slots(landed=landed).items()}
 
 
 class ExpertCache:

@@ -71,6 +71,12 @@ class ExpertLayout:
         """The distinct formats of the row: one, or gate_up's and down's."""
         return (self.format,) if self.down_format is None else (self.format, self.down_format)
 
+    @cached_property
+    def quantized(self) -> bool:
+        """Whether a matrix is stored other than as its compute dtype: torch then decodes it whole to
+        read it (weights()), where a plain one is a view."""
+        return any(fmt != Plain(self.dtype) for fmt in self.formats)
+
     def shape(self, matrix: str) -> tuple[int, int]:
         """[N, K] of a matrix: outputs, and the reduction dim its format encodes along."""
         h, i = self.hidden_size, self.intermediate_size

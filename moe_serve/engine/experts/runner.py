@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
-from itertools import chain
+from itertools import chain, groupby
 from typing import Protocol
 
 import torch
@@ -442,7 +442,7 @@ class CachedExpertRunner:
                 return self._compute_gathered(x, routing, first, ids[0])
             out = torch.zeros_like(x)  # [T, H]
             for wave in chain([first], waves):
-                self._compute(out, x, routing, wave)
+                self._compute(out, x, routing, wave, ids)
         return out
 
     def _compute_gathered(self, x: torch.Tensor, routing: LayerRouting, wave: Wave, ids: list[int]) -> torch.Tensor:
@@ -455,14 +455,45 @@ class CachedExpertRunner:
         weights = routing.expert_weights if len(keep) == len(ids) else routing.expert_weights[:, index[1]]
         return gathered_experts(x, weights, self.cache.expert_slots, index[:1], self._layouts[routing.layer])
 
-    def _compute(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, wave: Wave) -> None:
-        ids, weights = routing.expert_ids, routing.expert_weights  # [T, k] each
-        landed = wave.rows(landed=True)
-        if landed:  # runs while the wave's copies are in flight
-            accumulate_experts(out, x, ids, weights, landed, self._layouts[routing.layer])
+    def _compute(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, wave: Wave,
+                 ids: list[list[int]]) -> None:
+        """out [T, H] += the wave's experts over their tokens: the landed ones while the others' copies
+        fly, then the rest. `ids`: the routing as read back, [T][k] expert ids."""
+        layout = self._layouts[routing.layer]
+        if layout.quantized and reads_expert_slots_in_place(x, self.cache.expert_slots, layout):
+            # the torch path decodes every expert whole before its matmuls: for int4 at Mixtral size
+            # ~2 ms an expert on an H200, 110 ms of a 32-sequence step's 140
+            # (bench/results/quant/step-profile-int4-25-bs32-h200.json); the kernels decode tiles as they read them
+            def add(landed: bool) -> None:
+                self._add_in_place(out, x, routing, ids, wave.slots(landed=landed))
+        else:
+            def add(landed: bool) -> None:
+                rows = wave.rows(landed=landed)
+                if rows:
+                    accumulate_experts(out, x, routing.expert_ids, routing.expert_weights, rows, layout)
+        add(True)  # runs while the wave's copies are in flight
         if not wave.pending:
             return
         self.cache.wait_pending(wave)
         # One call for all copied experts: each accumulate_experts call syncs the host twice
         # (~0.4 ms on H100), more than one expert's copy takes, so per-expert calls lose.
-        accumulate_experts(out, x, ids, weights, wave.rows(landed=False), self._layouts[routing.layer])
+        add(False)
+
+    def _add_in_place(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, ids: list[list[int]],
+                      expert_slots: dict[int, int]) -> None:
+        """out [T, H] += the experts of `expert_slots` (expert -> expert slot) over the tokens routed to
+        them, by the expert kernels reading the expert slots in place. Each (token, j) pair is a row of
+        its own (top-1), listed from the host's routing: no host sync. Pairs go by position j, then token,
+        so each position's index_add_ adds to distinct rows of out: deterministic."""
+        pairs = [(t, j, expert_slots[row[j]]) for j in range(len(ids[0])) for t, row in enumerate(ids)
+                 if row[j] in expert_slots]
+        if not pairs:
+            return
+        tokens, positions, slots = _to_device(list(zip(*pairs)), x.device)  # [P] each
+        y = gathered_experts(x.index_select(0, tokens), routing.expert_weights[tokens, positions][:, None],
+                             self.cache.expert_slots, slots[:, None], self._layouts[routing.layer])  # [P, H]
+        start = 0
+        for _, group in groupby(j for _, j, _ in pairs):
+            end = start + sum(1 for _ in group)
+            out.index_add_(0, tokens[start:end], y[start:end])
+            start = end

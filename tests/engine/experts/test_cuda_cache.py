@@ -6,12 +6,15 @@ a copy overwrite an expert slot that compute is still reading, and the output wo
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from moe_serve.engine.experts.cache import copy_row
 from moe_serve.engine.experts.compute import accumulate_experts
 from moe_serve.engine.experts.cpu_experts import ExpertCosts, profile_costs
+from moe_serve.engine.experts.formats import expert_format
 from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.runner import CachedExpertRunner
@@ -130,3 +133,34 @@ def test_cuda_a_resident_prefill_runs_the_kernels_without_a_host_sync() -> None:
     finally:
         runner.close()
     assert runner.stats().total().hits == store.num_layers * 40 * TOP_K
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_cuda_quantized_waves_with_slow_copies_equal_reference(tokens: int) -> None:
+    """int4 experts in bf16, a cache of 4 expert slots: each wave runs the in-place kernels (40 tokens
+    stream, 3 run in plain waves), the landed experts while the slowed copies of the others fly."""
+    layout = ExpertLayout(hidden_size=256, intermediate_size=128, dtype=torch.bfloat16,
+                          format=expert_format("int4", torch.bfloat16))
+    store = ExpertStore.for_device(2, 8, layout, CUDA)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        store.put_fused(layer, gate_up=torch.randn(8, 256, 256, generator=gen) / 16,
+                        down=torch.randn(8, 256, 128, generator=gen) / 128**0.5)
+    runner = CachedExpertRunner(store, 4 * layout.nbytes, "lru", CUDA, top_k=TOP_K, copy_fn=_slow_copy)
+    cuda_gen = torch.Generator(device=CUDA).manual_seed(1)
+    try:
+        for _ in range(2):
+            for layer in range(2):
+                x = torch.randn(tokens, 256, generator=cuda_gen, device=CUDA).to(torch.bfloat16)
+                probs = torch.randn(tokens, 8, generator=cuda_gen, device=CUDA).softmax(-1)  # [T, E]
+                weights, ids = probs.topk(TOP_K, dim=-1)
+                got = runner.run(x, LayerRouting(layer, ids, weights, probs))
+                want = torch.zeros_like(x, dtype=torch.float32)
+                rows = {e: store.row(layer, e).to(CUDA) for e in range(8)}
+                accumulate_experts(want, x.float(), ids, weights, rows, replace(layout, dtype=torch.float32))
+                torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)
+            torch.cuda.current_stream().synchronize()
+            runner.finish_step()
+    finally:
+        runner.close()
+    assert runner.stats().total().waves > 2 * 2
