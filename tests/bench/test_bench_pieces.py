@@ -104,10 +104,17 @@ def test_step_profile_sums_kernels_per_step_and_the_gpus_busy_union() -> None:
               {**kernel, "ts": 10, "dur": 30}, {**kernel, "ts": 20, "dur": 30},  # overlapping: busy 40
               {**kernel, "ts": 80, "dur": 10},  # after 30 us idle
               {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 110, "dur": 20},
-              {**kernel, "ts": 140, "dur": 40}]  # launched in step 1, running past its end
+              {**kernel, "ts": 140, "dur": 40},  # launched in step 1, running past its end
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 5, "dur": 4},  # the host's calls
+              {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 15, "dur": 3},
+              {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "ts": 60, "dur": 20},
+              {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 105, "dur": 2}]
     summary = summarize(events, walls=[100e-6, 50e-6])
     assert summary["steps"][0] == {"wall_ms": 0.1, "gpu_busy_ms": 0.05, "gpu_idle_ms": pytest.approx(0.05),
-                                   "h2d_ms": 0.0, "h2d_copies": 0, "idle_gaps_us": [(50, 30)]}
+                                   "h2d_ms": 0.0, "h2d_copies": 0, "idle_gaps_us": [(50, 30)],
+                                   "runtime_calls": {"cudaStreamSynchronize": {"count": 1, "us": 20},
+                                                     "cudaLaunchKernel": {"count": 2, "us": 7}}}
+    assert summary["steps"][1]["runtime_calls"] == {"cudaMemcpyAsync": {"count": 1, "us": 2}}
     assert summary["steps"][1]["h2d_ms"] == 0.02 and summary["steps"][1]["h2d_copies"] == 1
     assert summary["steps"][1]["gpu_busy_ms"] == 0.06
     assert summary["steps"][1]["idle_gaps_us"] == []  # 130 -> 140: 10 us, under MIN_GAP_US

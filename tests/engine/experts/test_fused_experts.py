@@ -46,8 +46,10 @@ NARROW = FusedConfig(gate_up_rows=8, gate_up_cols=32, gate_up_warps=1, down_rows
 # (H, I, T, k): odd sizes, T in {1, 3}, k in {0, 1, 2, 4}
 CASES = [(37, 19, 1, 1), (37, 19, 3, 2), (16, 24, 3, 4), (40, 33, 1, 4), (24, 8, 3, 1), (21, 13, 1, 0)]
 # quantized formats, fewer cases (the interpreter is slow): odd K for int4's half-filled last byte
-# and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups
-QUANT_CASES = [(37, 19, 3, 2), (40, 33, 1, 4), (256, 64, 2, 2)]
+# and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups;
+# k = 4 under the default tiles only (the small tiles take ~10x as long there, and add no edge)
+QUANT_CASES = [(37, 19, 3, 2), (256, 64, 2, 2)]
+QUANT_DEFAULT_TILE_CASES = [(40, 33, 1, 4)]
 # (256, 4096, 1, 2): H's 32 row blocks of 8 leave I in chunks (down_splits), as on the bench model
 CUDA_CASES = [(256, 128, 1, 8), (256, 128, 3, 8), (200, 72, 4, 2), (2048, 1024, 1, 8), (256, 4096, 1, 2)]
 
@@ -66,12 +68,14 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
     return layout, *(v.to(device) for v in (slots, x.to(dtype), ids, weights))
 
 
-def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none") -> None:
-    """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch."""
-    for h, i, t, k in cases:
+def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none",
+                      default_tile_cases: list[tuple[int, int, int, int]] = ()) -> None:
+    """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch, under
+    small tiles and the default ones (`default_tile_cases`: the default ones only)."""
+    for (h, i, t, k), small in [*((case, True) for case in cases), *((case, False) for case in default_tile_cases)]:
         layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
-        for config in (TINY if max(h, i) <= 64 else NARROW, None):
+        for config in (TINY if max(h, i) <= 64 else NARROW, None)[0 if small else 1:]:
             got = fused_experts(x, weights, slots, ids, layout, config=config)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
 
@@ -88,7 +92,8 @@ def test_interpreter_matches_torch_path():
 @needs_triton
 @pytest.mark.parametrize("quant", interpreted_formats() + MIXED_FORMATS)
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
-    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
+    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r}, "
+                              f"{json.dumps(fitted_cases(QUANT_DEFAULT_TILE_CASES, quant))})")
 
 
 def test_down_splits_cut_a_wide_I_into_whole_tiles_until_the_programs_fill_the_gpu():

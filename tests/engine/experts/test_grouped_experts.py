@@ -40,8 +40,10 @@ SHARED_SLOT = 3  # routed by every token
 CASES = [(h, i, t, k) for (h, i), t, k in itertools.product([(37, 19), (16, 24), (40, 33)], [1, 5, 17], [1, 2, 4])]
 CASES += [(21, 13, 5, 0)]
 # quantized formats, fewer cases (the interpreter is slow): odd K for int4's half-filled last byte
-# and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups
-QUANT_CASES = [(37, 19, 5, 2), (40, 33, 17, 4), (256, 64, 9, 2)]
+# and per-weight scales; K = 256 and 64 for tiles inside one int4 group and tiles of whole groups;
+# 17 tokens of k = 4 (several blocks of a slot) under the default tiles only
+QUANT_CASES = [(37, 19, 5, 2), (256, 64, 9, 2)]
+QUANT_DEFAULT_TILE_CASES = [(40, 33, 17, 4)]
 # (T, k, S, block_m) for the block layout alone
 LAYOUT_CASES = [(1, 1, 1, 16), (17, 4, 9, 16), (64, 2, 8, 16), (32, 8, 64, 16), (9, 3, 40, 4), (50, 1, 3, 7),
                 (64, 8, 2, 16)]
@@ -71,14 +73,16 @@ def tiny_config():
                          down_block_h=16, down_block_i=16, down_warps=1, down_stages=1)
 
 
-def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none") -> None:
-    """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch."""
+def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none",
+                      default_tile_cases: list[tuple[int, int, int, int]] = ()) -> None:
+    """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch, under
+    small tiles and the default ones (`default_tile_cases`: the default ones only)."""
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
-    for h, i, t, k in cases:
+    for (h, i, t, k), small in [*((case, True) for case in cases), *((case, False) for case in default_tile_cases)]:
         layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
-        for config in (tiny_config(), None):
+        for config in (tiny_config(), None)[0 if small else 1:]:
             got = grouped_experts(x, weights, slots, ids, layout, config=config)
             assert got.shape == (t, h) and got.dtype == x.dtype
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
@@ -127,7 +131,8 @@ def test_interpreter_matches_torch_path():
 @needs_triton
 @pytest.mark.parametrize("quant", interpreted_formats() + MIXED_FORMATS)
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
-    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r})")
+    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r}, "
+                              f"{json.dumps(fitted_cases(QUANT_DEFAULT_TILE_CASES, quant))})")
 
 
 @needs_triton
