@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import threading
+from contextlib import ExitStack
+from unittest import mock
 
 import pytest
 import torch
@@ -249,10 +251,11 @@ def test_each_layer_computes_in_its_own_layout(make_routing) -> None:
 
 
 def check_quantized_waves_read_expert_slots_in_place(quant: str) -> None:
-    """Run in the subprocess, with TRITON_INTERPRET=1: a quantized layer that needs more experts than
-    the cache holds computes each wave with the expert kernels reading the expert slots in place,
-    never the torch path's whole-expert decode, in plain waves (3 tokens) and streamed ones (8)."""
-    from moe_serve.engine.experts import compute, runner as runner_module
+    """Run with TRITON_INTERPRET=1: a quantized layer that needs more experts than the cache holds
+    computes each wave with the expert kernels reading the expert slots in place, never the torch
+    path's whole-expert decode, in plain waves (3 tokens) and streamed ones (8)."""
+    from moe_serve.engine.experts import compute
+    from moe_serve.engine.experts import runner as runner_module
 
     def reads_in_place(x, expert_slots, layout):  # the interpreter runs the kernels on CPU tensors
         return x.dtype == layout.dtype
@@ -260,30 +263,31 @@ def check_quantized_waves_read_expert_slots_in_place(quant: str) -> None:
     def whole_expert_decode(*args, **kwargs):
         raise AssertionError("a quantized wave took the torch path")
 
-    compute.reads_expert_slots_in_place = runner_module.reads_expert_slots_in_place = reads_in_place
     h, i, e = 32, 16, 6
     layout = ExpertLayout(h, i, torch.float32, expert_format(quant, torch.float32))
     store = ExpertStore(2, e, layout)
     gen = torch.Generator().manual_seed(3)
-    store.put_fused(0, gate_up=torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
-                    down=torch.randn(e, h, i, generator=gen) / i**0.5)
-    store.put_fused(1, gate_up=torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
-                    down=torch.randn(e, h, i, generator=gen) / i**0.5)
+    for layer in range(2):
+        store.put_fused(layer, gate_up=torch.randn(e, 2 * i, h, generator=gen) / h**0.5,
+                        down=torch.randn(e, h, i, generator=gen) / i**0.5)
     runner = CachedExpertRunner(store, 4 * store.row_nbytes, "lru", "cpu", top_k=TOP_K)
+    in_place = (mock.patch.object(module, "reads_expert_slots_in_place", reads_in_place)
+                for module in (compute, runner_module))
     try:
-        for tokens in (3, 8, 8):
-            for layer in range(2):
-                x = torch.randn(tokens, h, generator=gen)
-                probs = torch.randn(tokens, e, generator=gen).softmax(-1)  # [T, E]
-                weights, ids = probs.topk(TOP_K, dim=-1)
-                routing = LayerRouting(layer, ids, weights, probs)
-                want = torch.zeros_like(x)
-                accumulate_experts(want, x, ids, weights, {j: store.row(layer, j) for j in range(e)}, layout)
-                runner_module.accumulate_experts = whole_expert_decode
-                got = runner.run(x, routing)
-                runner_module.accumulate_experts = accumulate_experts
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            runner.finish_step()
+        with ExitStack() as patches:
+            for patch in in_place:
+                patches.enter_context(patch)
+            for tokens in (3, 8, 8):
+                for layer in range(2):
+                    x = torch.randn(tokens, h, generator=gen)
+                    probs = torch.randn(tokens, e, generator=gen).softmax(-1)  # [T, E]
+                    weights, ids = probs.topk(TOP_K, dim=-1)
+                    want = torch.zeros_like(x)
+                    accumulate_experts(want, x, ids, weights, {j: store.row(layer, j) for j in range(e)}, layout)
+                    with mock.patch.object(runner_module, "accumulate_experts", whole_expert_decode):
+                        got = runner.run(x, LayerRouting(layer, ids, weights, probs))
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                runner.finish_step()
     finally:
         runner.close()
     assert sum(s.misses for s in runner.stats().per_layer) > 2 * e  # the layers ran in waves, refilling the cache
