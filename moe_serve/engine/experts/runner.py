@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
-from itertools import chain, groupby
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -493,7 +493,6 @@ class CachedExpertRunner:
         y = gathered_experts(x.index_select(0, tokens), routing.expert_weights[tokens, positions][:, None],
                              self.cache.expert_slots, slots[:, None], self._layouts[routing.layer])  # [P, H]
         start = 0
-        for _, group in groupby(j for _, j, _ in pairs):
-            end = start + sum(1 for _ in group)
-            out.index_add_(0, tokens[start:end], y[start:end])
-            start = end
+        for count in Counter(j for _, j, _ in pairs).values():  # the pairs of each position, in turn
+            out.index_add_(0, tokens[start : start + count], y[start : start + count])
+            start += count
