@@ -6,11 +6,11 @@
 
 Builds the engine as bench/batch_throughput.py's `--table mixtral` does (the default model, its
 experts widened to --expert-mb), decodes --batch greedy sequences past their warm-up, then profiles
---steps engine steps. Per step: wall time, the host's CUDA runtime calls (count and time, by name), the union of the GPU's busy intervals (kernels and
-copies, any stream), host-to-device copy time and count, and the GPU's idle stretches of 20 us or
-more between its first and last work (where it waited on the host: a layer's routing read back,
-its bookkeeping, the next launch); over all steps: each kernel's mean time per step, largest
-first. `gpu_idle_ms` (wall minus busy) is what the host alone costs a step.
+--steps engine steps. Per step: wall time, the host's CUDA runtime calls (count and time, by name),
+the union of the GPU's busy intervals (kernels and copies, any stream), host-to-device copy time
+and count, and the GPU's idle stretches of 20 us or more between its first and last work (where it
+waited on the host: a layer's routing read back, its bookkeeping, the next launch); over all
+steps: each kernel's mean time per step, largest first. `gpu_idle_ms` (wall minus busy) is what the host alone costs a step.
 --trace also writes the Chrome trace.
 """
 from __future__ import annotations

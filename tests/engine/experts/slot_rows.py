@@ -3,6 +3,8 @@ grown to a block format's whole blocks; the exact reference the GPU kernels are 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,6 +53,13 @@ def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ..
     formats = [expert_format(name, torch.float32) for name in quant.split("+")]
     step = math.lcm(*(m for fmt in formats for m in (fmt.row_multiple, fmt.col_multiple)))
     return [(-(-h // step) * step, -(-i // step) * step, *rest) for h, i, *rest in cases]
+
+
+def tile_plan(cases: list[tuple[int, ...]], default_tile_cases: list[tuple[int, ...]],
+              small_tiles: Callable[[int, int], Any]) -> list[tuple[tuple[int, ...], tuple]]:
+    """(H, I, ...) cases with the kernel configs to run each under: small tiles (small_tiles(H, I)) and
+    the defaults (None); `default_tile_cases` under the defaults only (the interpreter is slow)."""
+    return [(case, (small_tiles(*case[:2]), None)) for case in cases] + [(case, (None,)) for case in default_tile_cases]
 
 
 def decoded_reference(layout: ExpertLayout, slots: torch.Tensor, multiplied: torch.dtype) -> tuple[ExpertLayout, torch.Tensor]:

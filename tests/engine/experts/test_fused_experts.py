@@ -35,6 +35,7 @@ from tests.engine.experts.slot_rows import (
     interpreted_formats,
     quant_layout,
     random_slots,
+    tile_plan,
 )
 from tests.triton_interpreter import needs_triton, run_interpreted
 
@@ -72,10 +73,10 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
                       default_tile_cases: list[tuple[int, int, int, int]] = ()) -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch, under
     small tiles and the default ones (`default_tile_cases`: the default ones only)."""
-    for (h, i, t, k), small in [*((case, True) for case in cases), *((case, False) for case in default_tile_cases)]:
+    for (h, i, t, k), configs in tile_plan(cases, default_tile_cases, lambda h, i: TINY if max(h, i) <= 64 else NARROW):
         layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
-        for config in (TINY if max(h, i) <= 64 else NARROW, None)[0 if small else 1:]:
+        for config in configs:
             got = fused_experts(x, weights, slots, ids, layout, config=config)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
 

@@ -30,6 +30,7 @@ from tests.engine.experts.slot_rows import (
     interpreted_formats,
     quant_layout,
     random_slots,
+    tile_plan,
 )
 from tests.triton_interpreter import needs_triton, run_interpreted
 
@@ -79,10 +80,10 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
     small tiles and the default ones (`default_tile_cases`: the default ones only)."""
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
-    for (h, i, t, k), small in [*((case, True) for case in cases), *((case, False) for case in default_tile_cases)]:
+    for (h, i, t, k), configs in tile_plan(cases, default_tile_cases, lambda h, i: tiny_config()):
         layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
-        for config in (tiny_config(), None)[0 if small else 1:]:
+        for config in configs:
             got = grouped_experts(x, weights, slots, ids, layout, config=config)
             assert got.shape == (t, h) and got.dtype == x.dtype
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
