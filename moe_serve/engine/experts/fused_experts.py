@@ -65,6 +65,8 @@ MIN_PROGRAMS = 512
 # partial products. An H200 exploration of int4's word dot (Mixtral-size layer call, 8 tile sets of
 # 8-32 rows x 512-4096 columns x 4-8 warps, at 1 and 4 tokens) found these best or within 2% of
 # the best at both: 0.103 ms at one token against 0.111 under the tiles of the byte dot before it
+# (and still the best, with one chunk of I, for the subnormal-FMA dot after it: 0.079 ms,
+# bench/results/quant/quant_sweep-int4-subnormal.json)
 DOT_CONFIG = FusedConfig(gate_up_rows=8, gate_up_cols=2048, gate_up_warps=4, down_rows=8, down_cols=1024,
                          down_warps=4)
 

@@ -154,20 +154,27 @@ if triton is not None:
         return tl.sum(low * s_even * v_even[None, :] + high * s_odd * v_odd[None, :], axis=1)
 
     @triton.jit
-    def _nibble_products(words, shift: tl.constexpr, v, unit: tl.constexpr):
-        """[R, W] n * v for the nibble n at bit `shift` of each word: its bits in place, OR'd into the
-        mantissa of 2**23, are the float 2**23 + n * 2**shift exactly; v arrives scaled by `unit`, 2**-shift."""
-        return _float_minus(words & (15 << shift), 0) * (v * unit)[None, :]
+    def _nibble_fma(words, shift: tl.constexpr, v, unit: tl.constexpr, acc):
+        """acc + n * v * 2**-48 for the nibble n at bit `shift` of each word [R, W], the product rounded once.
+        The nibble masked in place is, as a float's bits, the subnormal n * 2**(shift - 149), exactly;
+        v arrives times `unit`, 2**(101 - shift), a power of two (exact, once per tile for all R rows)."""
+        return tl.fma((words & (15 << shift)).to(tl.float32, bitcast=True), (v * unit)[None, :], acc)
 
     @triton.jit
     def _dot_words(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
         """_dot over 32-bit words (8 weights, weight 8w + j in nibble j), for K a multiple of 8 and tiles
-        of whole groups: about three instructions a weight. Nibble j < 4 of a word (j - 4 of the word shifted
-        right by 16), masked in place and OR'd into the mantissa of 2**23, is the float 2**23 + n * 16**j
-        exactly; one subtraction leaves n * 16**j, which multiplies v's element scaled by 16**-j (a
-        power of two: exact, and done once per tile for all R rows). The zero point comes off once per
-        group and row, as 8 times the group's sum of v, before the group's scale: sum((n - 8) v) =
-        sum(n v) - 8 sum(v)."""
+        of whole groups: two instructions a weight, a mask and a fused multiply-add. Nibble j < 4 of a
+        word (j - 4 of the word shifted right by 16), masked in place, is as a float the subnormal
+        n * 16**j * 2**-149; times v's element scaled by 2**101 * 16**-j it is n * v * 2**-48, each
+        product rounded once (as a float times a float), all of a word's nibbles summed into one fp32
+        per word. 2**-48 keeps the factor finite for |v| < 2**26 and the products normal for |v| > 2**-78.
+        The zero point comes off once per group and row, as 8 times the group's sum of v, before the
+        group's scale: sum((n - 8) v) = sum(n v) - 8 sum(v).
+
+        GPUs multiply subnormals at full rate (no flush-to-zero in Triton's fp32). Before, each nibble
+        OR'd into the mantissa of 2**23 took a mask, a subtraction of 2**23, a product and an add
+        (plus a move of the second constant): 6.1 instructions a weight in the one-token gate/up loop
+        against 3.8 now (SASS of the sm_90 build, counted offline)."""
         KW: tl.constexpr = K // 8  # words per row; the rows' bytes start 4-aligned (K / 2 a multiple of 4)
         G: tl.constexpr = 128 if K > 128 else K
         NG: tl.constexpr = (K + G - 1) // G
@@ -189,14 +196,18 @@ if triton is not None:
         v1, v5 = tl.split(v15)
         v2, v6 = tl.split(v26)
         v3, v7 = tl.split(v37)
-        products = _nibble_products(words, 0, v0, 1.0) + _nibble_products(upper, 0, v4, 1.0)  # [R, BLOCK_K / 8]
-        products += _nibble_products(words, 4, v1, 1.0 / 16) + _nibble_products(upper, 4, v5, 1.0 / 16)
-        products += _nibble_products(words, 8, v2, 1.0 / 256) + _nibble_products(upper, 8, v6, 1.0 / 256)
-        products += _nibble_products(words, 12, v3, 1.0 / 4096) + _nibble_products(upper, 12, v7, 1.0 / 4096)
+        products = (words & 15).to(tl.float32, bitcast=True) * (v0 * 2.0**101)[None, :]  # [R, BLOCK_K / 8]
+        products = _nibble_fma(words, 4, v1, 2.0**97, products)
+        products = _nibble_fma(words, 8, v2, 2.0**93, products)
+        products = _nibble_fma(words, 12, v3, 2.0**89, products)
+        products = _nibble_fma(upper, 0, v4, 2.0**101, products)
+        products = _nibble_fma(upper, 4, v5, 2.0**97, products)
+        products = _nibble_fma(upper, 8, v6, 2.0**93, products)
+        products = _nibble_fma(upper, 12, v7, 2.0**89, products)  # sum(n v) * 2**-48 per word
         v_sum = tl.sum(v8, axis=1)  # [BLOCK_K / 8]
         group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
         s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=row_ok[:, None] & (group < NG)[None, :],
                     other=0.0)  # [R, BLOCK_K / G]
-        per_group = tl.sum(tl.reshape(products, (R, BLOCK_K // G, G // 8)), axis=2)  # [R, BLOCK_K / G] sum(n v)
+        per_group = tl.sum(tl.reshape(products, (R, BLOCK_K // G, G // 8)), axis=2) * 2.0**48  # [R, BLOCK_K / G] sum(n v)
         v_group = tl.sum(tl.reshape(v_sum, (BLOCK_K // G, G // 8)), axis=1)  # [BLOCK_K / G] sum(v)
         return tl.sum((per_group - _ZERO * v_group[None, :]) * s.to(tl.float32), axis=1)
