@@ -135,10 +135,3 @@ if triton is not None:
             return k0 + (p // RUN) * RUN + (p % WAYS) * SPAN + (p % RUN) // WAYS
         else:
             return k0 + p
-
-    @triton.jit
-    def in_order_dot(w, v_ptr, k0, BLOCK_K: tl.constexpr):
-        """[R] fp32: a tile w [R, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 in order (a tile narrower
-        than a format's run) times the vector's elements there: the tile dots' fallback."""
-        v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-        return tl.sum(w * v[None, :], axis=1)

@@ -34,6 +34,9 @@ from moe_serve.engine.experts.formats.base import (
 try:
     import triton
     import triton.language as tl
+
+    from moe_serve.engine.experts.formats.base import in_order_dot
+    from moe_serve.engine.experts.formats.int4 import nibble_group_sums
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -103,6 +106,10 @@ class Int4ZeroPoint(ExpertFormat):
     def triton_load(self) -> Any:
         return _LOADS[self.group_size]
 
+    @property
+    def triton_dot(self) -> Any:
+        return _DOTS[self.group_size]
+
     def describe(self) -> str:
         return f"{self.name} (group {self.group_size} asymmetric, 4-bit zero points, fp16 scales)"
 
@@ -154,8 +161,7 @@ if triton is not None:
             group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
             mask = row_ok[:, None] & (group < NG)[None, :]
             s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=mask, other=0.0)  # [R, BLOCK_K / G]
-            z = (tl.load(zero_ptr[:, None] + (group // 2)[None, :], mask=mask, other=0)
-                 >> (4 * (group % 2))[None, :]) & 0xF  # [R, BLOCK_K / G]
+            z = _zeros(zero_ptr, row_ok, group, NG)  # [R, BLOCK_K / G]
             centred = tl.reshape(q, (R, BLOCK_K // G, G)) - z.to(tl.float32)[:, :, None]
             w = tl.reshape(centred * s.to(tl.float32)[:, :, None], (R, BLOCK_K))
         if TRANSPOSE:
@@ -180,3 +186,43 @@ if triton is not None:
         return _load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, TRANSPOSE, EVICT, 128)
 
     _LOADS = {32: _load_g32, 64: _load_g64, 128: _load_g128}
+
+    @triton.jit
+    def _zeros(zero_ptr, row_ok, group, NG: tl.constexpr):
+        """The zero points [R, n] of groups [n] of each row (zero_ptr [R]: where its zero bytes start)."""
+        mask = row_ok[:, None] & (group < NG)[None, :]
+        return (tl.load(zero_ptr[:, None] + (group // 2)[None, :], mask=mask, other=0) >> (4 * (group % 2))[None, :]) & 0xF
+
+    @triton.jit
+    def _dot(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr, G: tl.constexpr):
+        """The rows' dot products with v over one tile (base.ExpertFormat.triton_dot): where the tile
+        holds whole groups, int4.nibble_group_sums over the codes' words and, per group and row,
+        s (sum(q v) - z sum(v)); a tile inside one group decodes (_load) and multiplies in order."""
+        if BLOCK_K % G == 0:
+            CODE_BYTES: tl.constexpr = K // 2
+            NG: tl.constexpr = K // G
+            ROW_BYTES: tl.constexpr = CODE_BYTES + ((NG + 1) // 2 + 15) // 16 * 16  # data_cols: 16-aligned
+            per_group, v_group = nibble_group_sums(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, ROW_BYTES // 4, G)
+            group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
+            s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=row_ok[:, None] & (group < NG)[None, :],
+                        other=0.0)  # [R, BLOCK_K / G]
+            z = _zeros(w_ptr + rows * ROW_BYTES + CODE_BYTES, row_ok, group, NG)  # [R, BLOCK_K / G]
+            return tl.sum((per_group - z.to(tl.float32) * v_group[None, :]) * s.to(tl.float32), axis=1)
+        else:
+            w = _load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", G)
+            return in_order_dot(w, v_ptr, k0, BLOCK_K)
+
+    # the entry points ExpertFormat.triton_dot names, as _LOADS'
+    @triton.jit
+    def _dot_g32(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, 32)
+
+    @triton.jit
+    def _dot_g64(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, 64)
+
+    @triton.jit
+    def _dot_g128(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        return _dot(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, 128)
+
+    _DOTS = {32: _dot_g32, 64: _dot_g64, 128: _dot_g128}

@@ -41,11 +41,11 @@ try:
     import triton
     import triton.language as tl
 
+    from moe_serve.engine.experts.formats.base import in_order_dot
     from moe_serve.engine.experts.formats.ggml_block import (
         FP16,
         block_runs,
         block_tile,
-        in_order_dot,
         interleaved_cols,
         vector_runs,
     )

@@ -43,11 +43,11 @@ try:
     import triton
     import triton.language as tl
 
+    from moe_serve.engine.experts.formats.base import code_dot, in_order_dot
     from moe_serve.engine.experts.formats.ggml_block import (
         FP16,
         block_runs,
         block_tile,
-        in_order_dot,
         interleaved_cols,
         vector_runs,
     )
@@ -412,8 +412,8 @@ if triton is not None:
             low, high, step_low, offset_low, step_high, offset_high, chunk, _ = _chunks_with_min(
                 w_ptr, rows, row_ok, k0, K, C, "evict_first", HIGH_BIT)
             v_low, v_high = vector_runs(v_ptr, chunk, K, 64, 32), vector_runs(v_ptr + 32, chunk, K, 64, 32)  # [C, 32]
-            qv_low = tl.sum(low.to(tl.float32) * v_low[None, :, :], axis=2)  # [R, C]
-            qv_high = tl.sum(high.to(tl.float32) * v_high[None, :, :], axis=2)
+            qv_low = code_dot(low, v_low[None, :, :], 2)  # [R, C]
+            qv_high = code_dot(high, v_high[None, :, :], 2)
             return tl.sum(step_low * qv_low - offset_low * tl.sum(v_low, axis=1)[None, :]
                           + step_high * qv_high - offset_high * tl.sum(v_high, axis=1)[None, :], axis=1)
         else:
@@ -530,9 +530,10 @@ if triton is not None:
 
     @triton.jit
     def _plane(first, second, third, block, half, mask, j: tl.constexpr, BITS: tl.constexpr):
-        """Plane j of _halves' runs: weights 128 half + 32 j + l. Its codes [R, HALVES, 32] (fp32; Q3_K's
-        and Q6_K's signed) and the step and offset of its two sub-blocks of 16 [R, HALVES, 2] (offset 0
-        but for Q2_K)."""
+        """Plane j of _halves' runs: weights 128 half + 32 j + l. Its codes q [R, HALVES, 32] (int32, from 0)
+        and the step and offset of its two sub-blocks of 16 [R, HALVES, 2]: a weight is q step - offset
+        (Q3_K's and Q6_K's offset is their centre times the step: (q - centre) step as one fused
+        multiply-add, rounded once)."""
         sub = (8 * (half % 2) + 2 * j)[None, :, None] + tl.arange(0, 2)[None, None, :]  # [1, HALVES, 2] 0..15
         at = block[:, :, None]
         sub_mask = mask[:, :, None]
@@ -541,17 +542,17 @@ if triton is not None:
                 low = (first >> (4 * (j // 2))) & 15
             else:
                 low = (third >> (4 * (j // 2))) & 15
-            q = (low | (((second >> (2 * j)) & 3) << 4)) - 32
+            q = low | (((second >> (2 * j)) & 3) << 4)  # centre 32
             step = _q6_k_step(at, sub, sub_mask)  # [R, HALVES, 2]
-            offset = tl.zeros_like(step)
+            offset = 32.0 * step
         elif BITS == 3:
-            q = ((first >> (2 * j)) & 3) - ((1 - ((second >> j) & 1)) << 2)  # -4..3
+            q = ((first >> (2 * j)) & 3) | (((second >> j) & 1) << 2)  # centre 4: a clear hmask bit subtracts 4
             step = _q3_k_step(at, sub, sub_mask)
-            offset = tl.zeros_like(step)
+            offset = 4.0 * step
         else:
             q = (first >> (2 * j)) & 3
             step, offset = _q2_k_step_offset(at, sub, sub_mask)
-        return q.to(tl.float32), step, offset
+        return q, step, offset
 
     @triton.jit
     def _plane_weights(first, second, third, block, half, mask, j: tl.constexpr, BITS: tl.constexpr):
@@ -559,7 +560,7 @@ if triton is not None:
         q, step, offset = _plane(first, second, third, block, half, mask, j, BITS)
         R: tl.constexpr = q.shape[0]
         HALVES: tl.constexpr = q.shape[1]
-        w = tl.reshape(q, (R, HALVES, 2, 16)) * step[:, :, :, None] - offset[:, :, :, None]
+        w = tl.reshape(q.to(tl.float32), (R, HALVES, 2, 16)) * step[:, :, :, None] - offset[:, :, :, None]
         return tl.reshape(w, (R, HALVES, 32))
 
     @triton.jit
@@ -598,12 +599,10 @@ if triton is not None:
             for j in tl.static_range(4):
                 q, step, offset = _plane(first, second, third, block, half, mask, j, BITS)
                 v = vector_runs(v_ptr + 32 * j, half, K, 128, 32)  # [HALVES, 32] plane j's columns
-                qv = tl.sum(tl.reshape(q * v[None, :, :], (R, HALVES, 2, 16)), axis=3)  # [R, HALVES, 2]
-                if BITS == 2:
-                    v_sum = tl.sum(tl.reshape(v, (HALVES, 2, 16)), axis=2)  # [HALVES, 2]
-                    total += tl.sum(tl.sum(step * qv - offset * v_sum[None, :, :], axis=2), axis=1)
-                else:
-                    total += tl.sum(tl.sum(step * qv, axis=2), axis=1)
+                qv = code_dot(tl.reshape(q, (R, HALVES, 2, 16)), tl.reshape(v, (HALVES, 2, 16))[None, :, :, :],
+                              3)  # [R, HALVES, 2]
+                v_sum = tl.sum(tl.reshape(v, (HALVES, 2, 16)), axis=2)  # [HALVES, 2]
+                total += tl.sum(tl.sum(step * qv - offset * v_sum[None, :, :], axis=2), axis=1)
             return total
         else:
             w = _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", BITS)

@@ -35,11 +35,11 @@ try:
     import triton
     import triton.language as tl
 
+    from moe_serve.engine.experts.formats.base import code_dot, in_order_dot
     from moe_serve.engine.experts.formats.ggml_block import (
         FP16,
         block_runs,
         block_tile,
-        in_order_dot,
         interleaved_cols,
         vector_runs,
     )
@@ -181,8 +181,8 @@ if triton is not None:
     def _blocks(w_ptr, rows, row_ok, k0, K: tl.constexpr, C: tl.constexpr, EVICT: tl.constexpr,
                 HIGH_BIT: tl.constexpr, WITH_MIN: tl.constexpr):
         """The C blocks from k0 (a multiple of 32): the codes of qs's low and high nibbles [R, C, 16]
-        (weights j and 16 + j of each block; centred where the type is symmetric; fifth bits in), d
-        and m [R, C] (m 0 where the type has none), the blocks [C] and the mask [R, C]."""
+        (weights j and 16 + j of each block, fifth bits in: 0..15 or 0..31), d and m [R, C] (a weight is
+        q d + m; a symmetric type's m is its centre times -d), the blocks [C] and the mask [R, C]."""
         QH: tl.constexpr = 4 if WITH_MIN else 2
         QS: tl.constexpr = QH + 4 if HIGH_BIT else QH
         BYTES: tl.constexpr = QS + 16
@@ -199,9 +199,8 @@ if triton is not None:
         d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)
         if WITH_MIN:
             m = tl.load((block + 2).to(FP16), mask=mask, other=0.0).to(tl.float32)
-        else:
-            low, high = low - (16 if HIGH_BIT else 8), high - (16 if HIGH_BIT else 8)
-            m = tl.zeros_like(d)
+        else:  # (q - centre) d as one fused multiply-add, q d - centre d, rounded once
+            m = d * -(16.0 if HIGH_BIT else 8.0)
         return low, high, d, m, blk, mask
 
     @triton.jit
@@ -250,7 +249,7 @@ if triton is not None:
             low, high, d, m, blk, _ = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first",
                                               HIGH_BIT, WITH_MIN)
             v_low, v_high = vector_runs(v_ptr, blk, K, 32, 16), vector_runs(v_ptr + 16, blk, K, 32, 16)  # [C, 16]
-            qv = tl.sum(low.to(tl.float32) * v_low[None, :, :] + high.to(tl.float32) * v_high[None, :, :], axis=2)
+            qv = code_dot(low, v_low[None, :, :], 2) + code_dot(high, v_high[None, :, :], 2)  # [R, C]
             return tl.sum(d * qv + m * tl.sum(v_low + v_high, axis=1)[None, :], axis=1)
         else:
             w = _gathered(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT, WITH_MIN)

@@ -24,7 +24,8 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.ggml_block import FP16, block_runs, block_tile, in_order_dot, vector_runs
+    from moe_serve.engine.experts.formats.base import in_order_dot
+    from moe_serve.engine.experts.formats.ggml_block import FP16, block_runs, block_tile, vector_runs
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 

@@ -1,0 +1,118 @@
+"""Instructions a weight in the fused GEMV's gate/up loop, per expert format, from its sm_90 SASS: no GPU.
+
+    python bench/kernel_sass.py --out bench/results/quant/fused_sass_sm90.json
+
+The one-token expert kernels of the quantized formats are bound by the instructions that decode
+their weights as much as by HBM, and a GPU session's time is short: this counts what each format's
+decode costs without one. Per format, `fused_experts._gate_up_kernel` is compiled as the dispatch
+would launch it at the Mixtral shape (H 4096, I 14,336; the tiles of `fused_experts.default_config`,
+the format's tile dot where it has one) for sm_90 by `triton.compile`, with the 16-byte alignment
+the JIT specializes pointers and strides to, then disassembled with the nvdisasm Triton ships.
+Counted: the SASS of the K loop's body (from the target of the one backward branch to the
+branch), divided by the weights one thread of a program reads per iteration (2 matrices x rows x
+columns / threads). Conversions from int to float (I2F, I2FP) are listed apart: sm_90 issues them
+at a fraction of an FMA's rate, so an instruction count undercounts a loop with many.
+
+These are static counts, a model of the ALU side; the kernels' times come from bench/quant_experts.py on
+a GPU. Triton's own version builds them (the GPU image's may schedule differently).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moe_serve.engine.experts import fused_experts  # noqa: E402
+from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
+
+HIDDEN, INTERMEDIATE = 4096, 14336  # Mixtral's expert shape
+TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
+CONVERSIONS = ("I2F", "I2FP")
+_OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+_BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
+
+
+def compile_gate_up(quant: str):
+    """The gate/up kernel as the dispatch launches it for one token at the Mixtral shape, built for sm_90."""
+    fmt = expert_format(quant, torch.bfloat16)
+    dot = fmt.triton_dot
+    cfg = fused_experts.default_config(1, HIDDEN, INTERMEDIATE, dot is not None, dot is not None)
+    kernel = fused_experts._gate_up_kernel
+    pointers = {"x_ptr": "*bf16", "w_ptr": f"*{_triton_dtype(fmt.data_dtype)}",
+                "s_ptr": f"*{_triton_dtype(fmt.scale_dtype or fmt.data_dtype)}", "ids_ptr": "*i32",
+                "act_ptr": "*fp32", "row_stride": "i64", "scale_stride": "i64"}
+    constants = {"H": HIDDEN, "I": INTERMEDIATE, "K": 2, "DATA": 0, "SCALES": 0, "BLOCK_I": cfg.gate_up_rows,
+                 "BLOCK_H": cfg.gate_up_cols, "LOAD": fmt.triton_load, "COLS": fmt.triton_cols,
+                 "DOT": fmt.triton_load if dot is None else dot, "USE_DOT": dot is not None}
+    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
+    source = ASTSource(fn=kernel, signature={**pointers, **{name: "constexpr" for name in constants}},
+                       constexprs=constants, attrs=aligned)
+    compiled = triton.compile(source, target=TARGET, options={"num_warps": cfg.gate_up_warps})
+    weights_per_thread = 2 * cfg.gate_up_rows * cfg.gate_up_cols / (cfg.gate_up_warps * 32)
+    return compiled, cfg, weights_per_thread
+
+
+def _triton_dtype(dtype: torch.dtype) -> str:
+    return {torch.uint8: "u8", torch.int8: "i8", torch.float16: "fp16", torch.bfloat16: "bf16",
+            torch.float32: "fp32", torch.int32: "i32", torch.float8_e4m3fn: "fp8e4nv"}[dtype]
+
+
+def loop_body(sass: str) -> list[str]:
+    """The opcodes from the target of the longest backward branch to the branch (the K loop)."""
+    lines = sass.splitlines()
+    labels = {line.strip().rstrip(":"): i for i, line in enumerate(lines) if re.match(r"^\.L_x_\d+:", line.strip())}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := _BRANCH.search(line)) and labels.get(m.group(1), i) < i]
+    if not spans:
+        raise ValueError("no loop in the kernel's SASS")
+    start, end = max(spans, key=lambda span: span[1] - span[0])
+    return [m.group(1) for line in lines[start:end + 1] if (m := _OPCODE.match(line))]
+
+
+def count(quant: str) -> dict:
+    compiled, cfg, per_thread = compile_gate_up(quant)
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    opcodes = collections.Counter(loop_body(sass))
+    total = sum(opcodes.values())
+    return {"format": quant, "tile": f"{cfg.gate_up_rows}x{cfg.gate_up_cols}, {cfg.gate_up_warps} warps",
+            "tile_dot": expert_format(quant, torch.bfloat16).triton_dot is not None,
+            "weights_per_thread_per_iteration": per_thread, "loop_instructions": total,
+            "instructions_per_weight": total / per_thread,
+            "conversions_per_weight": sum(opcodes[c] for c in CONVERSIONS) / per_thread,
+            "opcodes": dict(opcodes.most_common(12))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--formats", default=",".join(name for name in FORMAT_NAMES))
+    args = parser.parse_args()
+    rows = []
+    for quant in args.formats.split(","):
+        row = count(quant)
+        print(json.dumps({k: v for k, v in row.items() if k != "opcodes"}), flush=True)
+        rows.append(row)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "triton": triton.__version__,
+                                          "target": "sm_90", "shape": [HIDDEN, INTERMEDIATE], "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
