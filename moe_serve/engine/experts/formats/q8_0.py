@@ -24,7 +24,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.base import in_order_dot
+    from moe_serve.engine.experts.formats.base import SUM_SCALE, VECTOR_SCALE, in_order_dot
     from moe_serve.engine.experts.formats.ggml_block import FP16, block_runs, block_tile, vector_runs
 except ImportError:  # no triton: only the torch path decodes
     triton = None
@@ -96,11 +96,26 @@ if triton is not None:
 
     @triton.jit
     def _dot(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
-        """Per block, d * sum(q v) (base.ExpertFormat.triton_dot)."""
+        """Per block, d * sum(q v) (base.ExpertFormat.triton_dot), from its codes read as 16 halfwords (the
+        codes start 2 bytes into a 34-byte block: 2-aligned), two codes each: with both sign bits
+        flipped a halfword's bytes are u = q + 128, and each, masked in place, is a code taken as a
+        subnormal float (base.code_dot): a mask and a fused multiply-add a weight, the block's sum less
+        128 sum(v). (A byte a load, each converted, took 10.8 instructions a weight: bench/kernel_sass.py.)"""
         if BLOCK_K >= 32:
-            q, d, blk = _blocks(w_ptr, rows, row_ok, k0, K, BLOCK_K // 32, "evict_first")
+            C: tl.constexpr = BLOCK_K // 32
+            R: tl.constexpr = rows.shape[0]
+            blk, block, mask = block_runs(w_ptr, rows, row_ok, k0, K, C, 32, 32, 34)  # [C], [R, C], [R, C]
+            halves = tl.load((block + 2).to(tl.pointer_type(tl.uint16))[:, :, None] + tl.arange(0, 16)[None, None, :],
+                             mask=mask[:, :, None], other=0, eviction_policy="evict_first").to(tl.int32) ^ 0x8080
+            d = tl.load(block.to(FP16), mask=mask, other=0.0).to(tl.float32)  # [R, C]
             v = vector_runs(v_ptr, blk, K, 32, 32)  # [C, 32]
-            return tl.sum(d * tl.sum(q * v[None, :, :], axis=2), axis=1)
+            v_low, v_high = tl.split(tl.reshape(v, (C, 16, 2)))  # codes 2m (low byte), 2m + 1 (high byte)
+            products = ((halves & 255).to(tl.float32, bitcast=True) * (v_low * VECTOR_SCALE)[None, :, :]
+                        + (halves & 0xFF00).to(tl.float32, bitcast=True) * (v_high * (VECTOR_SCALE / 256))[None, :, :])
+            # each block's d applied per product, so that one sum per row runs over the whole tile
+            # (a sum per block first took a warp shuffle tree each: 2 shuffles a weight)
+            dv = tl.sum(tl.reshape(d[:, :, None] * products, (R, C * 16)), axis=1) * SUM_SCALE  # [R] sum(d u v)
+            return dv - 128.0 * tl.sum(d * tl.sum(v, axis=1)[None, :], axis=1)
         else:
             w = _in_one_block(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first")
             return in_order_dot(w, v_ptr, k0, BLOCK_K)
