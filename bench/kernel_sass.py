@@ -1,16 +1,18 @@
-"""Instructions a weight in the fused GEMV's gate/up loop, per expert format, from its sm_90 SASS: no GPU.
+"""Instructions a weight in the expert kernels' gate/up loop, per expert format, from their sm_90 SASS: no GPU.
 
-    python bench/kernel_sass.py --out bench/results/quant/fused_sass_sm90.json
+    python bench/kernel_sass.py --out bench/results/quant/kernel_sass-sm90.json
+    python bench/kernel_sass.py --kernel grouped --out bench/results/quant/kernel_sass-grouped-sm90.json
 
 The one-token expert kernels of the quantized formats are bound by the instructions that decode
 their weights as much as by HBM, and a GPU session's time is short: this counts what each format's
-decode costs without one. Per format, `fused_experts._gate_up_kernel` is compiled as the dispatch
-would launch it at the Mixtral shape (H 4096, I 14,336; the tiles of `fused_experts.default_config`,
-the format's tile dot where it has one) for sm_90 by `triton.compile`, with the 16-byte alignment
-the JIT specializes pointers and strides to, then disassembled with the nvdisasm Triton ships.
-Counted: the SASS of the K loop's body (from the target of the one backward branch to the
-branch), divided by the weights one thread of a program reads per iteration (2 matrices x rows x
-columns / threads). Conversions from int to float (I2F, I2FP) are listed apart: sm_90 issues them
+decode costs without one. Per format, the gate/up kernel is compiled as the dispatch would launch
+it at the Mixtral shape (H 4096, I 14,336) for sm_90 by `triton.compile`, with the 16-byte alignment
+the JIT specializes pointers and strides to, then disassembled with the nvdisasm Triton ships:
+`fused` (one token: `fused_experts._gate_up_kernel` under `fused_experts.default_config`'s tiles, the
+format's tile dot where it has one) or `grouped` (a batch: `grouped_experts._gate_up_kernel` under
+`grouped_experts.default_config`, tiles decoded for tl.dot). Counted: the SASS of the K loop's body
+(from the target of the longest backward branch to the branch), divided by the weights one thread
+of a program reads per iteration (2 matrices x rows x columns / threads). Conversions from int to float (I2F, I2FP) are listed apart: sm_90 issues them
 at a fraction of an FMA's rate, so an instruction count undercounts a loop with many.
 
 These are static counts, a model of the ALU side; the kernels' times come from bench/quant_experts.py on
@@ -35,7 +37,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moe_serve.engine.experts import fused_experts  # noqa: E402
+from moe_serve.engine.experts import fused_experts, grouped_experts  # noqa: E402
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 4096, 14336  # Mixtral's expert shape
@@ -45,24 +47,37 @@ _OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 
 
-def compile_gate_up(quant: str):
-    """The gate/up kernel as the dispatch launches it for one token at the Mixtral shape, built for sm_90."""
+def compile_gate_up(quant: str, kernel: str = "fused"):
+    """The gate/up kernel as the dispatch launches it at the Mixtral shape, built for sm_90; its tile
+    (rows x columns, warps) and the weights a thread reads per loop iteration."""
     fmt = expert_format(quant, torch.bfloat16)
-    dot = fmt.triton_dot
-    cfg = fused_experts.default_config(1, HIDDEN, INTERMEDIATE, dot is not None, dot is not None)
-    kernel = fused_experts._gate_up_kernel
-    pointers = {"x_ptr": "*bf16", "w_ptr": f"*{_triton_dtype(fmt.data_dtype)}",
-                "s_ptr": f"*{_triton_dtype(fmt.scale_dtype or fmt.data_dtype)}", "ids_ptr": "*i32",
-                "act_ptr": "*fp32", "row_stride": "i64", "scale_stride": "i64"}
-    constants = {"H": HIDDEN, "I": INTERMEDIATE, "K": 2, "DATA": 0, "SCALES": 0, "BLOCK_I": cfg.gate_up_rows,
-                 "BLOCK_H": cfg.gate_up_cols, "LOAD": fmt.triton_load, "COLS": fmt.triton_cols,
-                 "DOT": fmt.triton_load if dot is None else dot, "USE_DOT": dot is not None}
-    aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in pointers}
-    source = ASTSource(fn=kernel, signature={**pointers, **{name: "constexpr" for name in constants}},
+    operands = {"w_ptr": f"*{_triton_dtype(fmt.data_dtype)}", "s_ptr": f"*{_triton_dtype(fmt.scale_dtype or fmt.data_dtype)}",
+                "row_stride": "i64", "scale_stride": "i64"}
+    format_constants = {"H": HIDDEN, "I": INTERMEDIATE, "K": 2, "DATA": 0, "SCALES": 0, "LOAD": fmt.triton_load,
+                        "COLS": fmt.triton_cols}
+    if kernel == "fused":
+        dot = fmt.triton_dot
+        cfg = fused_experts.default_config(1, HIDDEN, INTERMEDIATE, dot is not None, dot is not None)
+        fn = fused_experts._gate_up_kernel
+        pointers = {"x_ptr": "*bf16", **operands, "ids_ptr": "*i32", "act_ptr": "*fp32"}
+        constants = {**format_constants, "BLOCK_I": cfg.gate_up_rows, "BLOCK_H": cfg.gate_up_cols,
+                     "DOT": fmt.triton_load if dot is None else dot, "USE_DOT": dot is not None}
+        rows, cols, options = cfg.gate_up_rows, cfg.gate_up_cols, {"num_warps": cfg.gate_up_warps}
+    else:
+        cfg = grouped_experts.default_config(HIDDEN, INTERMEDIATE)
+        fn = grouped_experts._gate_up_kernel
+        pointers = {"x_ptr": "*bf16", **operands, **{name: "*i32" for name in (
+            "order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr", "num_blocks_ptr")}, "act_ptr": "*bf16"}
+        constants = {**format_constants, "BLOCK_M": cfg.block_m, "BLOCK_I": cfg.gate_up_block_i,
+                     "BLOCK_H": cfg.gate_up_block_h}
+        rows, cols = cfg.gate_up_block_i, cfg.gate_up_block_h
+        options = {"num_warps": cfg.gate_up_warps, "num_stages": cfg.gate_up_stages}
+    signature = {name: pointers[name] for name in fn.arg_names if name in pointers}
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature}
+    source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constants}},
                        constexprs=constants, attrs=aligned)
-    compiled = triton.compile(source, target=TARGET, options={"num_warps": cfg.gate_up_warps})
-    weights_per_thread = 2 * cfg.gate_up_rows * cfg.gate_up_cols / (cfg.gate_up_warps * 32)
-    return compiled, cfg, weights_per_thread
+    compiled = triton.compile(source, target=TARGET, options=options)
+    return compiled, f"{rows}x{cols}, {options['num_warps']} warps", 2 * rows * cols / (options["num_warps"] * 32)
 
 
 def _triton_dtype(dtype: torch.dtype) -> str:
@@ -82,8 +97,8 @@ def loop_body(sass: str) -> list[str]:
     return [m.group(1) for line in lines[start:end + 1] if (m := _OPCODE.match(line))]
 
 
-def count(quant: str) -> dict:
-    compiled, cfg, per_thread = compile_gate_up(quant)
+def count(quant: str, kernel: str = "fused") -> dict:
+    compiled, tile, per_thread = compile_gate_up(quant, kernel)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -91,8 +106,8 @@ def count(quant: str) -> dict:
         sass = subprocess.run([str(nvdisasm), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
     opcodes = collections.Counter(loop_body(sass))
     total = sum(opcodes.values())
-    return {"format": quant, "tile": f"{cfg.gate_up_rows}x{cfg.gate_up_cols}, {cfg.gate_up_warps} warps",
-            "tile_dot": expert_format(quant, torch.bfloat16).triton_dot is not None,
+    return {"format": quant, "kernel": kernel, "tile": tile,
+            "tile_dot": kernel == "fused" and expert_format(quant, torch.bfloat16).triton_dot is not None,
             "weights_per_thread_per_iteration": per_thread, "loop_instructions": total,
             "instructions_per_weight": total / per_thread,
             "conversions_per_weight": sum(opcodes[c] for c in CONVERSIONS) / per_thread,
@@ -103,10 +118,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--formats", default=",".join(name for name in FORMAT_NAMES))
+    parser.add_argument("--kernel", choices=["fused", "grouped"], default="fused")
     args = parser.parse_args()
     rows = []
     for quant in args.formats.split(","):
-        row = count(quant)
+        row = count(quant, args.kernel)
         print(json.dumps({k: v for k, v in row.items() if k != "opcodes"}), flush=True)
         rows.append(row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

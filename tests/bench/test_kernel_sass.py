@@ -1,5 +1,6 @@
-"""bench/kernel_sass.py builds the fused gate/up kernel for sm_90 on a CPU and counts its K loop: the
-tile dots that read codes as subnormal floats keep int-to-float conversions out of that loop."""
+"""bench/kernel_sass.py builds the expert kernels' gate/up for sm_90 on a CPU and counts their K loop:
+the tile dots that read codes as subnormal floats keep int-to-float conversions out of the one-token
+loop, and the grouped kernel's bf16 loop is its loads and tensor-core multiplies."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +19,15 @@ def test_the_code_dots_loop_converts_no_int_to_float_per_weight(quant):
     # (bench/results/quant/kernel_sass-sm90-before-code-dot.json, README: Quantized experts: speed)
     assert row["conversions_per_weight"] < 0.1, row
     assert row["instructions_per_weight"] < {"int4": 4.0, "int8": 5.0, "q4_k": 6.0}[quant], row
+
+
+@needs_triton
+def test_the_grouped_kernel_multiplies_on_tensor_cores():
+    from bench.kernel_sass import count
+
+    row = count("none", "grouped")
+    # bf16 tiles go to mma as loaded: the loop is the loads and the HMMAs, ~1.25 instructions a weight
+    assert row["kernel"] == "grouped" and "HMMA" in row["opcodes"] and row["instructions_per_weight"] < 2.0, row
 
 
 @needs_triton
