@@ -158,12 +158,9 @@ if triton is not None:
             z = (tl.load(zero_ptr + group // 2, mask=row_ok, other=0) >> (4 * (group % 2))) & 0xF  # [R]
             w = (q - z.to(tl.float32)[:, None]) * s.to(tl.float32)[:, None]
         else:  # the tile holds whole groups (past K: masked, its codes, scales and zeros 0)
-            group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
-            mask = row_ok[:, None] & (group < NG)[None, :]
-            s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=mask, other=0.0)  # [R, BLOCK_K / G]
-            z = _zeros(zero_ptr, row_ok, group, NG)  # [R, BLOCK_K / G]
-            centred = tl.reshape(q, (R, BLOCK_K // G, G)) - z.to(tl.float32)[:, :, None]
-            w = tl.reshape(centred * s.to(tl.float32)[:, :, None], (R, BLOCK_K))
+            s, z = _scales_zeros(s_ptr, zero_ptr, rows, row_ok, k0 // G + tl.arange(0, BLOCK_K // G), NG)
+            centred = tl.reshape(q, (R, BLOCK_K // G, G)) - z[:, :, None]  # [R, BLOCK_K / G, G]
+            w = tl.reshape(centred * s[:, :, None], (R, BLOCK_K))
         if TRANSPOSE:
             return tl.trans(w)
         else:
@@ -188,10 +185,13 @@ if triton is not None:
     _LOADS = {32: _load_g32, 64: _load_g64, 128: _load_g128}
 
     @triton.jit
-    def _zeros(zero_ptr, row_ok, group, NG: tl.constexpr):
-        """The zero points [R, n] of groups [n] of each row (zero_ptr [R]: where its zero bytes start)."""
+    def _scales_zeros(s_ptr, zero_ptr, rows, row_ok, group, NG: tl.constexpr):
+        """The scales and zero points [R, n] (fp32) of groups [n] of each row (zero_ptr [R]: where its
+        zero bytes start); 0 past the row's NG groups."""
         mask = row_ok[:, None] & (group < NG)[None, :]
-        return (tl.load(zero_ptr[:, None] + (group // 2)[None, :], mask=mask, other=0) >> (4 * (group % 2))[None, :]) & 0xF
+        s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=mask, other=0.0)
+        z = (tl.load(zero_ptr[:, None] + (group // 2)[None, :], mask=mask, other=0) >> (4 * (group % 2))[None, :]) & 0xF
+        return s.to(tl.float32), z.to(tl.float32)
 
     @triton.jit
     def _dot(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr, G: tl.constexpr):
@@ -203,11 +203,9 @@ if triton is not None:
             NG: tl.constexpr = K // G
             ROW_BYTES: tl.constexpr = CODE_BYTES + ((NG + 1) // 2 + 15) // 16 * 16  # data_cols: 16-aligned
             per_group, v_group = nibble_group_sums(w_ptr, rows, row_ok, k0, K, BLOCK_K, v_ptr, ROW_BYTES // 4, G)
-            group = k0 // G + tl.arange(0, BLOCK_K // G)  # [BLOCK_K / G]
-            s = tl.load(s_ptr + rows[:, None] * NG + group[None, :], mask=row_ok[:, None] & (group < NG)[None, :],
-                        other=0.0)  # [R, BLOCK_K / G]
-            z = _zeros(w_ptr + rows * ROW_BYTES + CODE_BYTES, row_ok, group, NG)  # [R, BLOCK_K / G]
-            return tl.sum((per_group - z.to(tl.float32) * v_group[None, :]) * s.to(tl.float32), axis=1)
+            s, z = _scales_zeros(s_ptr, w_ptr + rows * ROW_BYTES + CODE_BYTES, rows, row_ok,
+                                 k0 // G + tl.arange(0, BLOCK_K // G), NG)  # [R, BLOCK_K / G]
+            return tl.sum((per_group - z * v_group[None, :]) * s, axis=1)
         else:
             w = _load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", G)
             return in_order_dot(w, v_ptr, k0, BLOCK_K)
