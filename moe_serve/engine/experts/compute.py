@@ -62,7 +62,7 @@ def reads_expert_slots_in_place(x: torch.Tensor, expert_slots: torch.Tensor, lay
 
 def gathered_experts(
     x: torch.Tensor, expert_weights: torch.Tensor, expert_slots: torch.Tensor, expert_slot_ids: torch.Tensor,
-    layout: ExpertLayout,
+    layout: ExpertLayout, routed_experts: int | None = None,
 ) -> torch.Tensor:
     """All routed experts of the tokens at once, with no host sync: graph-capturable.
 
@@ -72,14 +72,16 @@ def gathered_experts(
     expert) pairs on, the grouped kernel, which reads each expert slot once per block of its tokens;
     below, the fused GEMVs, one per pair. Both decode quantized rows as they load them. Elsewhere
     the torch path gathers the rows: worth it only while T*k is small (decode, short verify spans);
-    long CPU prefills use accumulate_experts.
+    long CPU prefills use accumulate_experts. routed_experts: the layer's expert count, the most
+    distinct slots expert_slot_ids can name (None: S), which sizes the grouped kernel's grid.
     """
     if reads_expert_slots_in_place(x, expert_slots, layout):
         from moe_serve.engine.experts import fused_experts as fused
         from moe_serve.engine.experts import grouped_experts as grouped
 
         if expert_slot_ids.numel() >= GROUPED_MIN_PAIRS:
-            return grouped.grouped_experts(x, expert_weights, expert_slots, expert_slot_ids, layout)
+            return grouped.grouped_experts(x, expert_weights, expert_slots, expert_slot_ids, layout,
+                                           routed_experts=routed_experts)
         return fused.fused_experts(x, expert_weights, expert_slots, expert_slot_ids, layout)
     return gathered_experts_torch(x, expert_weights, expert_slots, expert_slot_ids, layout)
 

@@ -82,8 +82,13 @@ def max_blocks(pairs: int, num_slots: int, block_m: int) -> int:
     return (pairs + min(pairs, num_slots) * (block_m - 1)) // block_m
 
 
-def block_layout(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: bool | None = None) -> BlockLayout:
+def block_layout(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: bool | None = None,
+                 routed_experts: int | None = None) -> BlockLayout:
     """Group the pairs of slot_ids [T, k] by slot in blocks of up to block_m, with no host sync.
+
+    routed_experts: the most distinct slots slot_ids can name (the layer's experts; None: num_slots).
+    The grid is sized for it: the cache's slots hold every layer's experts, so with num_slots alone
+    an all-GPU 32-token step with 48 slots launched 49 blocks' programs where 8 experts give at most 11.
 
     kernel: the one-program Triton sort (None: while a CUDA graph is being captured). On an H100 it
     took 2-6 us in a graph where ten small torch ops (sort, scatter_add, cumsum, searchsorted) took
@@ -92,7 +97,7 @@ def block_layout(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: b
     for, while a few tens of microseconds are nothing beside its forward. So graphs take the kernel,
     eager calls the torch ops; both write the same layout."""
     flat = slot_ids.reshape(-1).contiguous()  # [P]
-    pairs, grid = flat.numel(), max_blocks(flat.numel(), num_slots, block_m)
+    pairs, grid = flat.numel(), max_blocks(flat.numel(), min(num_slots, routed_experts or num_slots), block_m)
     # one allocation, each part starting 16-byte aligned (4 int32): Triton specializes pointer
     # arguments on 16-byte alignment, so parts at offsets that vary with the pair count compiled the
     # kernels again for each new mix of alignments
@@ -154,21 +159,27 @@ def fit_config(cfg: GroupedConfig, hidden: int, intermediate: int, dtype: torch.
 
 def grouped_experts(
     x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
-    layout: ExpertLayout, config: GroupedConfig | None = None,
+    layout: ExpertLayout, config: GroupedConfig | None = None, routed_experts: int | None = None,
 ) -> torch.Tensor:
     """Same contract as compute.gathered_experts: x [T, H]; expert_weights/slot_ids [T, k];
-    slots [S, numel] packed rows. Returns sum_j weight_j * expert_j(x) as [T, H] in x's dtype."""
+    slots [S, numel] packed rows; routed_experts as in block_layout. Returns sum_j weight_j *
+    expert_j(x) as [T, H] in x's dtype."""
     t, k = slot_ids.shape
     h, i = layout.hidden_size, layout.intermediate_size
     cfg = fit_config(config or GroupedConfig(), h, i, layout.dtype)
     if t * k == 0:  # every expert of every token left to the CPU
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     x = x.contiguous()
-    blocks = block_layout(slot_ids, slots.shape[0], cfg.block_m)
+    blocks = block_layout(slot_ids, slots.shape[0], cfg.block_m, routed_experts=routed_experts)
     grid_blocks = blocks.block_slot.shape[0]  # the most blocks any routing needs
     act = torch.empty(t * k, i, dtype=layout.dtype, device=x.device)  # [P, I]
     h_tiles = triton.cdiv(h, cfg.down_block_h)
-    splits = cfg.down_splits or down_splits(grid_blocks * h_tiles, i, cfg.down_block_i)
+    # I's chunks are counted for the fewest blocks a routing can give (all pairs in full blocks), not
+    # for the grid's bound, which most routings leave mostly empty: a narrow H (the bench model's 256:
+    # 4 tiles) then still gets enough programs. Counted from a bound of 49 blocks, an all-GPU
+    # 32-sequence step's real ~8 blocks ran its down matrices in 128 programs, and int4's decode took
+    # 2.5x bf16's time there (H200, bench/step_profile.py)
+    splits = cfg.down_splits or down_splits(triton.cdiv(t * k, cfg.block_m) * h_tiles, i, cfg.down_block_i)
     y = torch.empty(splits, t * k, h, dtype=torch.float32, device=x.device)  # [splits, P, H] weighted, per pair
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
     pairs = {"order_ptr": blocks.order, "block_slot_ptr": blocks.block_slot, "block_first_ptr": blocks.block_first,

@@ -246,7 +246,7 @@ class CachedExpertRunner:
             self.cache.stats.add(routing.layer, hits=routing.expert_ids.numel())
         expert_slot_ids = self.cache.resident_expert_slots[routing.layer][routing.expert_ids]  # [T, k]
         return gathered_experts(x, routing.expert_weights, self.cache.expert_slots, expert_slot_ids,
-                                self._layouts[routing.layer])
+                                self._layouts[routing.layer], self._num_experts)
 
     @property
     def replayable(self) -> bool:
@@ -307,7 +307,8 @@ class CachedExpertRunner:
         layers.append(CapturedLayer(routing.layer, routing.expert_ids.shape[1], num_candidates, readback, index, guess))
         split()
         weights = routing.expert_weights if routing.candidates is None else routing.reweighted(index[1])
-        return gathered_experts(x, weights, self.cache.expert_slots, index[0], self._layouts[routing.layer])
+        return gathered_experts(x, weights, self.cache.expert_slots, index[0], self._layouts[routing.layer],
+                                self._num_experts)
 
     def replay_layer(self, captured: CapturedLayer) -> None:
         """The host's part of a replayed step between the segment ending at `captured` and the next:
@@ -453,7 +454,8 @@ class CachedExpertRunner:
         # [2, k']: expert slot, position
         index = _to_device([[wave.expert_slots[ids[j]] for j in keep], keep], x.device)
         weights = routing.expert_weights if len(keep) == len(ids) else routing.expert_weights[:, index[1]]
-        return gathered_experts(x, weights, self.cache.expert_slots, index[:1], self._layouts[routing.layer])
+        return gathered_experts(x, weights, self.cache.expert_slots, index[:1], self._layouts[routing.layer],
+                                self._num_experts)
 
     def _compute(self, out: torch.Tensor, x: torch.Tensor, routing: LayerRouting, wave: Wave,
                  ids: list[list[int]]) -> None:
@@ -491,7 +493,8 @@ class CachedExpertRunner:
             return
         tokens, positions, slots = _to_device(list(zip(*pairs)), x.device)  # [P] each
         y = gathered_experts(x.index_select(0, tokens), routing.expert_weights[tokens, positions][:, None],
-                             self.cache.expert_slots, slots[:, None], self._layouts[routing.layer])  # [P, H]
+                             self.cache.expert_slots, slots[:, None], self._layouts[routing.layer],
+                             self._num_experts)  # [P, H]
         start = 0
         for count in Counter(j for _, j, _ in pairs).values():  # the pairs of each position, in turn
             out.index_add_(0, tokens[start : start + count], y[start : start + count])

@@ -89,12 +89,12 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
 
 
-def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int,
-                      kernel: bool) -> tuple[list[tuple[int, list[int]]], int]:
+def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: bool,
+                      routed_experts: int | None = None) -> tuple[list[tuple[int, list[int]]], int]:
     """Each real block's (slot, pairs), read off the layout the way the kernels read it; and the grid size."""
     from moe_serve.engine.experts.grouped_experts import block_layout
 
-    layout = block_layout(slot_ids, num_slots, block_m, kernel=kernel)
+    layout = block_layout(slot_ids, num_slots, block_m, kernel=kernel, routed_experts=routed_experts)
     order = layout.order.tolist()
     blocks = []
     for block in range(layout.num_blocks.item()):
@@ -122,6 +122,11 @@ def check_block_layouts(cases: list[tuple[int, int, int, int]], kernel: bool) ->
     # the bound is reached when every slot leaves one pair over
     blocks, grid = _blocks_in_python(torch.tensor([0] * 17 + [1] * 17 + [2]).view(-1, 1), 3, 16, kernel)
     assert len(blocks) == grid == max_blocks(35, 3, 16) == 5
+    # a layer's 8 experts in slots 40-47 of a 48-slot cache: the grid is sized for 8 slots, not 48
+    slot_ids = 40 + torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:2] for t in range(32)])
+    blocks, grid = _blocks_in_python(slot_ids, 48, 16, kernel, routed_experts=8)
+    assert sorted(p for _, pairs in blocks for p in pairs) == list(range(64))
+    assert len(blocks) <= grid == max_blocks(64, 8, 16) == 11 < max_blocks(64, 48, 16)
 
 
 @needs_triton
