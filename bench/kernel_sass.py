@@ -68,8 +68,10 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
         fn = grouped_experts._gate_up_kernel
         pointers = {"x_ptr": "*bf16", **operands, **{name: "*i32" for name in (
             "order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr", "num_blocks_ptr")}, "act_ptr": "*bf16"}
+        codes = fmt.triton_codes_for(HIDDEN, cfg.gate_up_block_h)  # as grouped_experts._with_codes (bf16 x)
         constants = {**format_constants, "BLOCK_M": cfg.block_m, "BLOCK_I": cfg.gate_up_block_i,
-                     "BLOCK_H": cfg.gate_up_block_h}
+                     "BLOCK_H": cfg.gate_up_block_h, "CODES": fmt.triton_load if codes is None else codes,
+                     "USE_CODES": codes is not None}
         rows, cols = cfg.gate_up_block_i, cfg.gate_up_block_h
         options = {"num_warps": cfg.gate_up_warps, "num_stages": cfg.gate_up_stages}
     signature = {name: pointers[name] for name in fn.arg_names if name in pointers}

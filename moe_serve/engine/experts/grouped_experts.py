@@ -20,7 +20,9 @@ weight tile once for up to BLOCK_M tokens with tl.dot:
 
 Weight tiles are loaded through the layout's format (formats/*.py `triton_load`, a compile-time
 argument): quantized slots are read as stored and decoded in registers into x's dtype before
-tl.dot, as the torch path decodes them; the plain format's load is the bare tile load. (int4 tried
+tl.dot, as the torch path decodes them; the plain format's load is the bare tile load. A format with
+tile codes (formats/base.py `triton_codes_for`: int4-zp) hands tl.dot whole-number codes instead, and
+each tile's zero points and scales are applied to its fp32 products. (int4 tried
 its fused-kernel trick here too, 32-bit words decoded a nibble at a time and one K = 16 dot per
 nibble, no weight put back into order, the scale applied to each group's sum: on an H200 the
 Mixtral-size 32-token call took 0.75 ms (0.64 at its best tiles), where the tile load takes 0.59
@@ -47,6 +49,7 @@ except ImportError:  # no triton: compute.py keeps the torch path
     triton = None
 
 DOT_MIN = 16  # tl.dot needs every tile dimension >= 16
+CODE_DTYPES = (torch.bfloat16, torch.float16)  # activations a format's codes can meet on the tensor cores
 
 
 @dataclass(frozen=True)
@@ -185,18 +188,29 @@ def grouped_experts(
     pairs = {"order_ptr": blocks.order, "block_slot_ptr": blocks.block_slot, "block_first_ptr": blocks.block_first,
              "block_rows_ptr": blocks.block_rows, "num_blocks_ptr": blocks.num_blocks}
     _gate_up_kernel[(grid_blocks, triton.cdiv(i, cfg.gate_up_block_i))](
-        x_ptr=x, **matrix_operands(layout, slots, "gate_up"), **pairs, act_ptr=act, H=h, I=i, K=k,
+        x_ptr=x, **_with_codes(layout, slots, "gate_up", h, cfg.gate_up_block_h, x.dtype), **pairs, act_ptr=act,
+        H=h, I=i, K=k,
         BLOCK_M=cfg.block_m, BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
     )
     _down_kernel[(grid_blocks, h_tiles, splits)](
-        act_ptr=act, **matrix_operands(layout, slots, "down"), weights_ptr=expert_weights.reshape(-1).contiguous(),
+        act_ptr=act, **_with_codes(layout, slots, "down", i, cfg.down_block_i, act.dtype),
+        weights_ptr=expert_weights.reshape(-1).contiguous(),
         **pairs, y_ptr=y, pair_count=t * k, i_chunk=chunk_length(i, cfg.down_block_i, splits), H=h, I=i,
         BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i, num_warps=cfg.down_warps,
         num_stages=cfg.down_stages,
     )
     sum_partials(y, out, k)
     return out
+
+
+def _with_codes(layout: ExpertLayout, slots: torch.Tensor, matrix: str, k: int, block_k: int,
+                dtype: torch.dtype) -> dict:
+    """matrix_operands plus the format's tile codes where it has them for these tiles and activations
+    (formats/base.py triton_codes_for; a constexpr function argument cannot be None)."""
+    operands = matrix_operands(layout, slots, matrix)
+    codes = layout.format_of(matrix).triton_codes_for(k, block_k) if dtype in CODE_DTYPES else None
+    return {**operands, "CODES": operands["LOAD"] if codes is None else codes, "USE_CODES": codes is not None}
 
 
 if triton is not None:
@@ -246,7 +260,8 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
                         num_blocks_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr, I: tl.constexpr,
                         K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
+                        CODES: tl.constexpr, USE_CODES: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):  # the grid is launched for the most blocks any routing needs
             return
@@ -263,11 +278,18 @@ if triton is not None:
             col_ok = col < H
             xt = tl.load(x_ptr + token[:, None] * H + col[None, :], mask=pair_ok[:, None] & col_ok[None, :],
                          other=0.0)  # [BLOCK_M, BLOCK_H]
-            # [BLOCK_H, BLOCK_I]: transposed views of the gate and up rows, decoded into x's dtype
-            gate = LOAD(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
-            up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
-            acc_gate = tl.dot(xt, gate, acc_gate, input_precision="ieee")  # "ieee": fp32 stays fp32, not tf32
-            acc_up = tl.dot(xt, up, acc_up, input_precision="ieee")
+            if USE_CODES:  # [BLOCK_H, BLOCK_I] codes: x·w = (x·codes - zero sum(x)) * scale, per row of the tile
+                x_sum = tl.sum(xt.to(tl.float32), axis=1)[:, None]  # [BLOCK_M, 1]
+                gate, gate_scale, gate_zero = CODES(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, xt.dtype)
+                up, up_scale, up_zero = CODES(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, xt.dtype)
+                acc_gate += (tl.dot(xt, gate) - gate_zero[None, :] * x_sum) * gate_scale[None, :]
+                acc_up += (tl.dot(xt, up) - up_zero[None, :] * x_sum) * up_scale[None, :]
+            else:
+                # [BLOCK_H, BLOCK_I]: transposed views of the gate and up rows, decoded into x's dtype
+                gate = LOAD(gate_ptr, scale_ptr, rows, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
+                up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
+                acc_gate = tl.dot(xt, gate, acc_gate, input_precision="ieee")  # "ieee": fp32 stays fp32, not tf32
+                acc_up = tl.dot(xt, up, acc_up, input_precision="ieee")
         act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_I]
         tl.store(act_ptr + pairs[:, None] * I + rows[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=pair_ok[:, None] & row_ok[None, :])
@@ -276,7 +298,8 @@ if triton is not None:
     def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
                      num_blocks_ptr, y_ptr, pair_count, i_chunk, row_stride, scale_stride, H: tl.constexpr,
                      I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
+                     CODES: tl.constexpr, USE_CODES: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):
             return
@@ -293,9 +316,13 @@ if triton is not None:
             col_ok = col < I
             a = tl.load(act_ptr + pairs[:, None] * I + col[None, :], mask=pair_ok[:, None] & col_ok[None, :],
                         other=0.0)  # [BLOCK_M, BLOCK_I]
-            # [BLOCK_I, BLOCK_H]: a transposed view of the down rows, decoded into act's dtype
-            w = LOAD(down_ptr, scale_ptr, outs, out_ok, i0, I, BLOCK_I, True, "").to(a.dtype)
-            acc = tl.dot(a, w, acc, input_precision="ieee")
+            if USE_CODES:  # as in the gate/up kernel
+                codes, scale, zero = CODES(down_ptr, scale_ptr, outs, out_ok, i0, I, BLOCK_I, a.dtype)  # [BLOCK_I, BLOCK_H]
+                acc += (tl.dot(a, codes) - zero[None, :] * tl.sum(a.to(tl.float32), axis=1)[:, None]) * scale[None, :]
+            else:
+                # [BLOCK_I, BLOCK_H]: a transposed view of the down rows, decoded into act's dtype
+                w = LOAD(down_ptr, scale_ptr, outs, out_ok, i0, I, BLOCK_I, True, "").to(a.dtype)
+                acc = tl.dot(a, w, acc, input_precision="ieee")
         weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
         tl.store(y_ptr + (tl.program_id(2) * pair_count + pairs[:, None]) * H + outs[None, :], acc * weight[:, None],
                  mask=pair_ok[:, None] & out_ok[None, :])

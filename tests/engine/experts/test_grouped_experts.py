@@ -45,6 +45,9 @@ CASES += [(21, 13, 5, 0)]
 # 17 tokens of k = 4 (several blocks of a slot) under the default tiles only
 QUANT_CASES = [(37, 19, 5, 2), (256, 64, 9, 2)]
 QUANT_DEFAULT_TILE_CASES = [(40, 33, 17, 4)]
+# int4-zp's tile codes (formats/base.py triton_codes_for) meet 16-bit activations only: fp16 here, the
+# interpreter's bf16 dot not being numpy's; K = 256 and 64, tiles inside one group
+CODE_CASES = [(256, 64, 9, 2), (64, 128, 5, 2)]
 # (T, k, S, block_m) for the block layout alone
 LAYOUT_CASES = [(1, 1, 1, 16), (17, 4, 9, 16), (64, 2, 8, 16), (32, 8, 64, 16), (9, 3, 40, 4), (50, 1, 3, 7),
                 (64, 8, 2, 16)]
@@ -75,18 +78,20 @@ def tiny_config():
 
 
 def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none",
-                      default_tile_cases: list[tuple[int, int, int, int]] = ()) -> None:
-    """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch, under
-    small tiles and the default ones (`default_tile_cases`: the default ones only)."""
+                      default_tile_cases: list[tuple[int, int, int, int]] = (), dtype: str = "float32") -> None:
+    """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels (or fp16's) on CPU tensors vs
+    torch, under small tiles and the default ones (`default_tile_cases`: the default ones only)."""
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     for (h, i, t, k), configs in tile_plan(cases, default_tile_cases, lambda h, i: tiny_config()):
-        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
-        expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
+        layout, slots, x, ids, weights = _problem(h, i, t, k, getattr(torch, dtype), "cpu", quant=quant)
+        expected = gathered_experts_torch(x, weights, slots, ids, layout).float()  # [T, H]
+        # fp16: both paths round act and the output to fp16, in different places
+        tol = 1e-5 if dtype == "float32" else 3e-3 * expected.abs().max().item()
         for config in configs:
             got = grouped_experts(x, weights, slots, ids, layout, config=config)
             assert got.shape == (t, h) and got.dtype == x.dtype
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
+            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol, msg=f"{quant} {(h, i, t, k)} {config}")
 
 
 def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: bool,
@@ -150,6 +155,24 @@ def test_block_layout_covers_every_pair_once_in_blocks_of_one_slot():
 def test_eager_block_layout_covers_every_pair_once_in_blocks_of_one_slot():
     check_block_layouts(LAYOUT_CASES, kernel=False)
 
+
+
+@needs_triton
+@pytest.mark.parametrize("quant", ["int4-zp-g32", "int4-zp-g64"])
+def test_interpreter_multiplies_tile_codes_as_the_torch_path(quant):
+    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(CODE_CASES, quant))}, {quant!r}, "
+                              "dtype='float16')")
+
+
+@needs_triton
+def test_tile_codes_only_for_tiles_inside_one_group():
+    from moe_serve.engine.experts.formats import expert_format
+
+    zp_g32, zp_g128 = (expert_format(name, torch.float16) for name in ("int4-zp-g32", "int4-zp-g128"))
+    assert zp_g32.triton_codes_for(4096, 32) and zp_g32.triton_codes_for(4096, 16)
+    assert zp_g128.triton_codes_for(4096, 128) and not zp_g32.triton_codes_for(4096, 64)
+    for name in ("int4", "q4_k"):  # decoded tiles
+        assert expert_format(name, torch.float16).triton_codes_for(4096, 128) is None
 
 
 def test_cpu_keeps_the_torch_path_at_any_batch():

@@ -84,6 +84,16 @@ class ExpertFormat(ABC):
         more than the product itself (int4: a tile's two weights per byte are not interleaved back)."""
         return None
 
+    def triton_codes_for(self, k: int, block_k: int) -> Any | None:
+        """None, or a @triton.jit function codes(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, DTYPE) ->
+        (codes [BLOCK_K, R] in DTYPE, scale [R] fp32, zero [R] fp32) for tiles of block_k columns of a
+        K = k matrix (DTYPE bf16 or fp16, the activations'): the tile's weights are exactly
+        (codes - zero) * scale, each row's codes whole numbers DTYPE holds exactly, columns in
+        triton_cols' order. The grouped kernel multiplies the codes on the tensor cores and applies
+        zero and scale once per tile and row, where decoding each weight into a float costs more
+        (int4-zp's zero points)."""
+        return None
+
     def describe(self) -> str:
         return self.name
 
