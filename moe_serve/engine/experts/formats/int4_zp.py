@@ -141,6 +141,17 @@ FORMATS_BY_GROUP_SIZE = {fmt.group_size: fmt for fmt in (Int4ZeroPointG32, Int4Z
 if triton is not None:
 
     @triton.jit
+    def _codes_in_order(w_ptr, rows, row_ok, k0, BLOCK_K: tl.constexpr, ROW_BYTES: tl.constexpr,
+                        CODE_BYTES: tl.constexpr, EVICT: tl.constexpr):
+        """The codes [R, BLOCK_K] (uint8) of rows [R] (ROW_BYTES apart), columns k0 .. k0 + BLOCK_K - 1,
+        0 past the row's CODE_BYTES: a tile's bytes read in one run each, each byte's two joined."""
+        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + rows[:, None] * ROW_BYTES + byte[None, :],
+                         mask=row_ok[:, None] & (byte < CODE_BYTES)[None, :], other=0,
+                         eviction_policy=EVICT)  # [R, BLOCK_K / 2]
+        return tl.reshape(tl.join(packed & 0xF, packed >> 4), (rows.shape[0], BLOCK_K))
+
+    @triton.jit
     def _load(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,
               EVICT: tl.constexpr, G: tl.constexpr):
         # BLOCK_K even and k0 a multiple of it: the tile's bytes are whole. BLOCK_K and G are powers
@@ -149,11 +160,7 @@ if triton is not None:
         NG: tl.constexpr = K // G  # groups per row
         ROW_BYTES: tl.constexpr = CODE_BYTES + ((NG + 1) // 2 + 15) // 16 * 16  # data_cols: codes, zeros
         R: tl.constexpr = rows.shape[0]
-        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_ptr + rows[:, None] * ROW_BYTES + byte[None, :],
-                         mask=row_ok[:, None] & (byte < CODE_BYTES)[None, :], other=0,
-                         eviction_policy=EVICT)  # [R, BLOCK_K / 2]
-        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, BLOCK_K)).to(tl.float32)  # [R, BLOCK_K]
+        q = _codes_in_order(w_ptr, rows, row_ok, k0, BLOCK_K, ROW_BYTES, CODE_BYTES, EVICT).to(tl.float32)
         zero_ptr = w_ptr + rows * ROW_BYTES + CODE_BYTES  # [R] each row's zero bytes
         if G % BLOCK_K == 0:  # the tile lies in one group: one scale and zero per row
             group = k0 // G
@@ -229,41 +236,28 @@ if triton is not None:
     _DOTS = {32: _dot_g32, 64: _dot_g64, 128: _dot_g128}
 
     @triton.jit
-    def _nibble_codes(w_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, ROW_BYTES: tl.constexpr,
-                     DTYPE: tl.constexpr, zero):
-        """The codes n of rows [R] (ROW_BYTES apart), columns k0 .. k0 + BLOCK_K - 1 (masked past K), as
-        DTYPE's 2**e + n (bf16 128 + n, fp16 1024 + n: exact, whole numbers where the float's step is
-        1), each OR'd into 2**e's bits: codes [BLOCK_K, R] for tl.dot, and zero + 2**e, the zero
-        points [R] they carry. The bytes load as _load's do, which the compiler pipelines through
-        shared memory (32-bit words, which would decode two nibbles an instruction, were loaded without
-        it and took 1.6x as long on an H200)."""
-        MAGIC: tl.constexpr = 0x4300 if DTYPE == tl.bfloat16 else 0x6400  # the bits of 128 (bf16), 1024 (fp16)
-        OFFSET: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
-        R: tl.constexpr = rows.shape[0]
-        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        packed = tl.load(w_ptr + rows[:, None] * ROW_BYTES + byte[None, :],
-                         mask=row_ok[:, None] & (byte < (K + 1) // 2)[None, :], other=0)  # [R, BLOCK_K / 2]
-        nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), (R, BLOCK_K)).to(tl.int16)  # [R, BLOCK_K]
-        return tl.trans((nibbles | MAGIC).to(DTYPE, bitcast=True)), zero + OFFSET
-
-    @triton.jit
     def _codes(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr,
                G: tl.constexpr):
-        """base.ExpertFormat.triton_codes_for's tile (inside one group): _nibble_codes of the row's codes,
-        the group's scale and zero point. In the grouped gate/up kernel's sm_90 SASS 6.9 loop
-        instructions a weight against 8.0 decoding each weight into a float, and a Mixtral-size
-        32-token layer call 0.834 -> 0.702 ms on an H200, its error against fp32 math 3.9e-3 -> 2.9e-3
-        of the largest output (no weight rounded to bf16; bench/results/quant/quant_experts-h200-byte-codes.json).
-        int4's own tiles, decoded the same way (5.9 instructions a weight against 7.7), took 0.559 ->
-        0.602 ms there, so int4 keeps its decoded tiles."""
+        """base.ExpertFormat.triton_codes_for's tile (inside one group): the codes n as DTYPE's 2**e + n
+        (bf16 128 + n, fp16 1024 + n: exact, whole numbers where the float's step is 1), each OR'd into
+        2**e's bits, [BLOCK_K, R]; the group's scales [R]; its zero points plus 2**e [R]. In the grouped
+        gate/up kernel's sm_90 SASS 6.9 loop instructions a weight against 8.0 decoding each weight into
+        a float, and a Mixtral-size 32-token layer call 0.834 -> 0.702 ms on an H200, its error against
+        fp32 math 3.9e-3 -> 2.9e-3 of the largest output (no weight rounded to bf16;
+        bench/results/quant/quant_experts-h200-byte-codes.json). int4's tiles decoded the same way (5.9
+        instructions a weight against 7.7) took 0.559 -> 0.602 ms there, so int4 keeps its decoded tiles;
+        codes from 32-bit words, two nibbles an instruction, took 1.6x as long: the compiler pipelines a
+        tile's bytes through shared memory, but not the words."""
+        MAGIC: tl.constexpr = 0x4300 if DTYPE == tl.bfloat16 else 0x6400  # the bits of 128 (bf16), 1024 (fp16)
+        OFFSET: tl.constexpr = 128.0 if DTYPE == tl.bfloat16 else 1024.0
         CODE_BYTES: tl.constexpr = K // 2
         NG: tl.constexpr = K // G
         ROW_BYTES: tl.constexpr = CODE_BYTES + ((NG + 1) // 2 + 15) // 16 * 16  # data_cols: 16-aligned
         R: tl.constexpr = rows.shape[0]
+        codes = _codes_in_order(w_ptr, rows, row_ok, k0, BLOCK_K, ROW_BYTES, CODE_BYTES, "").to(tl.int16) | MAGIC
         s, z = _scales_zeros(s_ptr, w_ptr + rows * ROW_BYTES + CODE_BYTES, rows, row_ok, k0 // G + tl.arange(0, 1),
                              NG)  # [R, 1]
-        codes, zero = _nibble_codes(w_ptr, rows, row_ok, k0, K, BLOCK_K, ROW_BYTES, DTYPE, tl.reshape(z, (R,)))
-        return codes, tl.reshape(s, (R,)), zero
+        return tl.trans(codes.to(DTYPE, bitcast=True)), tl.reshape(s, (R,)), tl.reshape(z, (R,)) + OFFSET
 
     # the entry points ExpertFormat.triton_codes_for names, as _LOADS'
     @triton.jit
