@@ -160,6 +160,18 @@ def fit_config(cfg: GroupedConfig, hidden: int, intermediate: int, dtype: torch.
     )
 
 
+def down_chunks(pairs: int, hidden: int, intermediate: int, cfg: GroupedConfig) -> int:
+    """The chunks of I each down tile is cut into (cfg.down_splits, else fused_experts.down_splits),
+    counted for the fewest blocks a routing of `pairs` (token, expert) pairs can give (all in full
+    blocks), not for the grid's bound, which most routings leave mostly empty: a narrow H (the bench
+    model's 256: 4 tiles) then still gets enough programs. Counted from a bound of 49 blocks, an
+    all-GPU 32-sequence step's real ~8 blocks ran their down matrices in 128 programs, and int4's
+    decode took 2.5x bf16's time there (H200, bench/step_profile.py)."""
+    fewest_blocks = -(-pairs // cfg.block_m)
+    h_tiles = -(-hidden // cfg.down_block_h)
+    return cfg.down_splits or down_splits(fewest_blocks * h_tiles, intermediate, cfg.down_block_i)
+
+
 def grouped_experts(
     x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
     layout: ExpertLayout, config: GroupedConfig | None = None, routed_experts: int | None = None,
@@ -177,12 +189,7 @@ def grouped_experts(
     grid_blocks = blocks.block_slot.shape[0]  # the most blocks any routing needs
     act = torch.empty(t * k, i, dtype=layout.dtype, device=x.device)  # [P, I]
     h_tiles = triton.cdiv(h, cfg.down_block_h)
-    # I's chunks are counted for the fewest blocks a routing can give (all pairs in full blocks), not
-    # for the grid's bound, which most routings leave mostly empty: a narrow H (the bench model's 256:
-    # 4 tiles) then still gets enough programs. Counted from a bound of 49 blocks, an all-GPU
-    # 32-sequence step's real ~8 blocks ran its down matrices in 128 programs, and int4's decode took
-    # 2.5x bf16's time there (H200, bench/step_profile.py)
-    splits = cfg.down_splits or down_splits(triton.cdiv(t * k, cfg.block_m) * h_tiles, i, cfg.down_block_i)
+    splits = down_chunks(t * k, h, i, cfg)
     y = torch.empty(splits, t * k, h, dtype=torch.float32, device=x.device)  # [splits, P, H] weighted, per pair
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
     pairs = {"order_ptr": blocks.order, "block_slot_ptr": blocks.block_slot, "block_first_ptr": blocks.block_first,

@@ -175,6 +175,19 @@ def test_tile_codes_only_for_tiles_inside_one_group():
         assert expert_format(name, torch.float16).triton_codes_for(4096, 128) is None
 
 
+@needs_triton
+def test_down_chunks_fill_the_gpu_for_the_fewest_blocks_a_routing_gives():
+    from moe_serve.engine.experts.fused_experts import MIN_PROGRAMS
+    from moe_serve.engine.experts.grouped_experts import default_config, down_chunks
+
+    cfg = default_config(256, 229376)  # the bench model: H 256 is 4 tiles of the down kernel
+    # 32 tokens x top-2: as few as 4 full blocks, whatever the cache's slot count
+    assert 4 * 4 * down_chunks(64, 256, 229376, cfg) >= MIN_PROGRAMS
+    assert down_chunks(4096, 256, 229376, cfg) == 1  # a long prefill's blocks are programs enough
+    mixtral = default_config(4096, 14336)
+    assert down_chunks(64, 4096, 14336, mixtral) * 4 * 64 >= MIN_PROGRAMS
+
+
 def test_cpu_keeps_the_torch_path_at_any_batch():
     layout, slots, x, ids, weights = _problem(16, 8, 17, 4, torch.float32, "cpu")
     assert ids.numel() >= GROUPED_MIN_PAIRS
