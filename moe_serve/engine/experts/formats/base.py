@@ -152,6 +152,21 @@ if triton is not None:
                       acc)
 
     @triton.jit
+    def byte_code_products(words, MASK: tl.constexpr, SHIFT: tl.constexpr, v):
+        """Per 32-bit word of words [R, ...], sum(c v) / SUM_SCALE over its 4 bytes' codes c at bit SHIFT of
+        the byte (MASK their width; SHIFT + the width <= 8), byte b meeting v[..., b] (v [..., 4]: words'
+        shape without R, then the bytes): each masked in place and taken into one fused multiply-add
+        (code_fma), bytes 2 and 3 from the word shifted right by 16 (sign bits land above the masks)."""
+        even, odd = tl.split(tl.reshape(v, v.shape[:-1] + [2, 2]))  # bytes 0 2 | 1 3
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        upper = words >> 16
+        acc = (words & (MASK << SHIFT)).to(tl.float32, bitcast=True) * (v0 * (VECTOR_SCALE / (1 << SHIFT)))[None, :]
+        acc = code_fma(words, MASK, SHIFT + 8, v1, acc)
+        acc = code_fma(upper, MASK, SHIFT, v2, acc)
+        return code_fma(upper, MASK, SHIFT + 8, v3, acc)
+
+    @triton.jit
     def columns_in_order(k0, BLOCK_K: tl.constexpr):
         return k0 + tl.arange(0, BLOCK_K)
 

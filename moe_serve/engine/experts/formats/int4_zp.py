@@ -163,10 +163,8 @@ if triton is not None:
         q = _codes_in_order(w_ptr, rows, row_ok, k0, BLOCK_K, ROW_BYTES, CODE_BYTES, EVICT).to(tl.float32)
         zero_ptr = w_ptr + rows * ROW_BYTES + CODE_BYTES  # [R] each row's zero bytes
         if G % BLOCK_K == 0:  # the tile lies in one group: one scale and zero per row
-            group = k0 // G
-            s = tl.load(s_ptr + rows * NG + group, mask=row_ok, other=0.0)  # [R]
-            z = (tl.load(zero_ptr + group // 2, mask=row_ok, other=0) >> (4 * (group % 2))) & 0xF  # [R]
-            w = (q - z.to(tl.float32)[:, None]) * s.to(tl.float32)[:, None]
+            s, z = _scales_zeros(s_ptr, zero_ptr, rows, row_ok, k0 // G + tl.arange(0, 1), NG)  # [R, 1]
+            w = (q - z) * s
         else:  # the tile holds whole groups (past K: masked, its codes, scales and zeros 0)
             s, z = _scales_zeros(s_ptr, zero_ptr, rows, row_ok, k0 // G + tl.arange(0, BLOCK_K // G), NG)
             centred = tl.reshape(q, (R, BLOCK_K // G, G)) - z[:, :, None]  # [R, BLOCK_K / G, G]

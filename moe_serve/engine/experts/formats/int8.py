@@ -16,7 +16,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.base import SUM_SCALE, VECTOR_SCALE, code_fma, in_order_dot
+    from moe_serve.engine.experts.formats.base import SUM_SCALE, byte_code_products, in_order_dot
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -74,9 +74,8 @@ if triton is not None:
     def _dot(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
         """The rows' dot products with v over one tile (base.ExpertFormat.triton_dot), read as 32-bit
         words of 4 codes (K a multiple of 4: the rows start 4-aligned): each word's sign bits flipped
-        make its bytes u = q + 128 (0..255), and each byte masked in place (bytes 2 and 3 of the word
-        shifted right by 16) is a code taken as a subnormal float (base.code_dot): a mask and a fused
-        multiply-add a weight, no int-to-float conversion. The row's sum is s (sum(u v) - 128 sum(v))."""
+        make its bytes u = q + 128 (0..255), and each byte masked in place is a code taken as a
+        subnormal float (base.byte_code_products): a mask and a fused multiply-add a weight, no int-to-float conversion. The row's sum is s (sum(u v) - 128 sum(v))."""
         if K % 4 == 0 and BLOCK_K % 4 == 0:
             KW: tl.constexpr = K // 4
             W: tl.constexpr = BLOCK_K // 4
@@ -85,16 +84,9 @@ if triton is not None:
             words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * KW + word[None, :],
                             mask=row_ok[:, None] & word_ok[None, :], other=0,
                             eviction_policy="evict_first") ^ -0x7F7F7F80  # [R, W] 0x80808080: u = q + 128
-            upper = words >> 16  # bytes 2 and 3 where 0 and 1 were
             v4 = tl.load(v_ptr + 4 * word[:, None] + tl.arange(0, 4)[None, :], mask=word_ok[:, None],
                          other=0.0).to(tl.float32)  # [W, 4]; a masked word meets v = 0
-            even, odd = tl.split(tl.reshape(v4, (W, 2, 2)))  # elements 0 2 | 1 3
-            v0, v2 = tl.split(even)
-            v1, v3 = tl.split(odd)
-            products = (words & 255).to(tl.float32, bitcast=True) * (v0 * VECTOR_SCALE)[None, :]  # [R, W]
-            products = code_fma(words, 255, 8, v1, products)
-            products = code_fma(upper, 255, 0, v2, products)
-            products = code_fma(upper, 255, 8, v3, products)  # sum(u v) / SUM_SCALE per word
+            products = byte_code_products(words, 255, 0, v4)  # [R, W] sum(u v) / SUM_SCALE per word
             s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)  # [R] one scale per row
             return s * (tl.sum(products, axis=1) * SUM_SCALE - 128.0 * tl.sum(v4))
         else:

@@ -43,7 +43,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.base import SUM_SCALE, VECTOR_SCALE, code_dot, code_fma, in_order_dot
+    from moe_serve.engine.experts.formats.base import SUM_SCALE, byte_code_products, code_dot, in_order_dot
     from moe_serve.engine.experts.formats.ggml_block import (
         FP16,
         block_runs,
@@ -401,24 +401,6 @@ if triton is not None:
             return w
 
     @triton.jit
-    def _byte_sums(words, MASK: tl.constexpr, SHIFT: tl.constexpr, v):
-        """[R, C]: per row and run, sum(c v) over the codes c at bit SHIFT of every byte of the run's
-        32-bit words [R, C, 8] (MASK their width, SHIFT + the width <= 8), byte b of word w meeting v's
-        element 4 w + b of the run (v [C, 32]). Each code is masked in place and taken as a subnormal
-        into one fused multiply-add (base.code_fma), as int4's nibbles are; bytes 2 and 3 from the word
-        shifted right by 16 (sign bits land above the masks)."""
-        C: tl.constexpr = v.shape[0]
-        even, odd = tl.split(tl.reshape(v, (C, 8, 2, 2)))  # [C, 8, 2]: bytes 0 2 | 1 3 of each word
-        v0, v2 = tl.split(even)
-        v1, v3 = tl.split(odd)
-        upper = words >> 16
-        acc = (words & (MASK << SHIFT)).to(tl.float32, bitcast=True) * (v0 * (VECTOR_SCALE / (1 << SHIFT)))[None, :]
-        acc = code_fma(words, MASK, SHIFT + 8, v1, acc)
-        acc = code_fma(upper, MASK, SHIFT, v2, acc)
-        acc = code_fma(upper, MASK, SHIFT + 8, v3, acc)
-        return tl.sum(acc, axis=2) * SUM_SCALE
-
-    @triton.jit
     def _dot_with_min(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr,
                       HIGH_BIT: tl.constexpr):
         """The rows' dot products with v over one tile (base.ExpertFormat.triton_dot) from the chunks as
@@ -426,7 +408,7 @@ if triton is not None:
         offset. Q4_K's codes come from _chunks_with_min's bytes (base.code_dot). Q5_K reads a chunk's
         32 bytes of qs (48-byte aligned in the block) and the super-block's 32 of qh as eight 32-bit
         words each, ORs the fifth bits (bit 2 c and 2 c + 1 of qh byte m) in above each byte's nibble, a
-        word's four at once, and sums the 5-bit codes in place (_byte_sums): 8.54 -> 5.73 loop
+        word's four at once, and sums the 5-bit codes in place (base.byte_code_products): 8.54 -> 5.73 loop
         instructions a weight in the one-token gate/up kernel's sm_90 SASS (bench/kernel_sass.py), a
         Mixtral-size layer call 0.213 -> 0.188 ms on an H200 (bench/results/quant/quant_experts-h200-words-codes.json).
         Q4_K's words (5.34 -> 4.32 instructions a weight) took 0.153 -> 0.158 ms there, so it keeps its bytes.
@@ -451,7 +433,9 @@ if triton is not None:
                     w_ptr, rows, row_ok, k0, K, C, "evict_first", False)
             v_low, v_high = vector_runs(v_ptr, chunk, K, 64, 32), vector_runs(v_ptr + 32, chunk, K, 64, 32)  # [C, 32]
             if HIGH_BIT:
-                qv_low, qv_high = _byte_sums(low, 31, 0, v_low), _byte_sums(high, 31, 0, v_high)  # [R, C]
+                # [R, C]: byte b of word w meets the run's element 4 w + b
+                qv_low = tl.sum(byte_code_products(low, 31, 0, tl.reshape(v_low, (C, 8, 4))), axis=2) * SUM_SCALE
+                qv_high = tl.sum(byte_code_products(high, 31, 0, tl.reshape(v_high, (C, 8, 4))), axis=2) * SUM_SCALE
             else:
                 qv_low, qv_high = code_dot(low, v_low[None, :, :], 2), code_dot(high, v_high[None, :, :], 2)
             return tl.sum(step_low * qv_low - offset_low * tl.sum(v_low, axis=1)[None, :]
