@@ -31,6 +31,15 @@ def random_slots(layout: ExpertLayout, num_slots: int, gen: torch.Generator) -> 
     return slots
 
 
+def followed_by_nans(x: torch.Tensor) -> torch.Tensor:
+    """x (contiguous) in storage whose following elements are NaN: a kernel tile that overhangs x's
+    last row and reads the vector past it (memory of other tensors, or none) turns the output NaN
+    instead of passing by luck."""
+    padded = torch.full((x.numel() + 4096,), float("nan"), dtype=x.dtype, device=x.device)  # wider than any tile
+    padded[:x.numel()] = x.flatten()
+    return padded[:x.numel()].view_as(x)
+
+
 def interpreted_formats() -> list[str]:
     """The quantized formats whose whole kernels the Triton interpreter runs on CPU: blocks of at
     most 32 weights. Larger blocks grow the cases to 256 x 256, minutes each in the interpreter; their

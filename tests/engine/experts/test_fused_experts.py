@@ -32,6 +32,7 @@ from tests.engine.experts.slot_rows import (
     MIXED_FORMATS,
     decoded_reference,
     fitted_cases,
+    followed_by_nans,
     interpreted_formats,
     quant_layout,
     random_slots,
@@ -66,7 +67,8 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
     if t > 1 and k:
         ids[-1, 0] = ids[0, 0]  # and across tokens
     weights = torch.rand(t, k, generator=gen)  # [T, k]
-    return layout, *(v.to(device) for v in (slots, x.to(dtype), ids, weights))
+    slots, x, ids, weights = (v.to(device) for v in (slots, x.to(dtype), ids, weights))
+    return layout, slots, followed_by_nans(x), ids, weights
 
 
 def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none",
@@ -78,7 +80,7 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
         for config in configs:
             got = fused_experts(x, weights, slots, ids, layout, config=config)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"{quant} {(h, i, t, k)} {config}")
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{quant} {(h, i, t, k)} {config}: {m}")
 
 
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fused_experts_available("cuda")),

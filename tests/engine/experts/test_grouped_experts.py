@@ -27,6 +27,7 @@ from tests.engine.experts.slot_rows import (
     MIXED_FORMATS,
     decoded_reference,
     fitted_cases,
+    followed_by_nans,
     interpreted_formats,
     quant_layout,
     random_slots,
@@ -66,7 +67,8 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
     if k > 1:
         ids[0, -1] = ids[0, 0]  # the same slot twice in one token
     weights = torch.rand(t, k, generator=gen)  # [T, k]
-    return layout, *(v.to(device) for v in (slots, x.to(dtype), ids, weights))
+    slots, x, ids, weights = (v.to(device) for v in (slots, x.to(dtype), ids, weights))
+    return layout, slots, followed_by_nans(x), ids, weights
 
 
 def tiny_config():
@@ -91,7 +93,7 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
         for config in configs:
             got = grouped_experts(x, weights, slots, ids, layout, config=config)
             assert got.shape == (t, h) and got.dtype == x.dtype
-            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol, msg=f"{quant} {(h, i, t, k)} {config}")
+            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol, msg=lambda m: f"{quant} {(h, i, t, k)} {config}: {m}")
 
 
 def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: bool,

@@ -171,9 +171,11 @@ if triton is not None:
         return k0 + tl.arange(0, BLOCK_K)
 
     @triton.jit
-    def in_order_dot(w, v_ptr, k0, BLOCK_K: tl.constexpr):
+    def in_order_dot(w, v_ptr, k0, K: tl.constexpr, BLOCK_K: tl.constexpr):
         """[R] fp32: a tile w [R, BLOCK_K] of columns k0 .. k0 + BLOCK_K - 1 in order (a tile narrower
         than a format's run, or rows a format's own dot does not read) times the vector's elements
-        there: the tile dots' fallback."""
-        v = tl.load(v_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+        there: the tile dots' fallback. The vector is read only below K: past it lies other memory
+        (the next token's, or none), where a NaN would make w's zeros NaN."""
+        cols = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(v_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
         return tl.sum(w * v[None, :], axis=1)

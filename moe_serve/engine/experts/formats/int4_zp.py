@@ -216,7 +216,7 @@ if triton is not None:
             return tl.sum((per_group - z * v_group[None, :]) * s, axis=1)
         else:
             w = _load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", G)
-            return in_order_dot(w, v_ptr, k0, BLOCK_K)
+            return in_order_dot(w, v_ptr, k0, K, BLOCK_K)
 
     # the entry points ExpertFormat.triton_dot names, as _LOADS'
     @triton.jit

@@ -91,4 +91,4 @@ if triton is not None:
             return s * (tl.sum(products, axis=1) * SUM_SCALE - 128.0 * tl.sum(v4))
         else:
             return in_order_dot(_load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first"), v_ptr, k0,
-                                BLOCK_K)
+                                K, BLOCK_K)

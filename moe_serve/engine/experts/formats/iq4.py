@@ -250,7 +250,7 @@ if triton is not None:
                           axis=1)
         else:
             w = _load_runs(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", XS)
-            return in_order_dot(w, v_ptr, k0, BLOCK_K)
+            return in_order_dot(w, v_ptr, k0, K, BLOCK_K)
 
     @triton.jit
     def _load_iq4_nl(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -442,7 +442,7 @@ if triton is not None:
                           + step_high * qv_high - offset_high * tl.sum(v_high, axis=1)[None, :], axis=1)
         else:
             w = _narrow_with_min(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT)
-            return in_order_dot(w, v_ptr, k0, BLOCK_K)
+            return in_order_dot(w, v_ptr, k0, K, BLOCK_K)
 
     @triton.jit
     def _q4_k_cols(k0, BLOCK_K: tl.constexpr):
@@ -630,7 +630,7 @@ if triton is not None:
             return total
         else:
             w = _load_planes(w_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first", BITS)
-            return in_order_dot(w, v_ptr, k0, BLOCK_K)
+            return in_order_dot(w, v_ptr, k0, K, BLOCK_K)
 
     @triton.jit
     def _load_q2_k(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,

@@ -253,7 +253,7 @@ if triton is not None:
             return tl.sum(d * qv + m * tl.sum(v_low + v_high, axis=1)[None, :], axis=1)
         else:
             w = _gathered(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first", HIGH_BIT, WITH_MIN)
-            return in_order_dot(w, v_ptr, k0, BLOCK_K)
+            return in_order_dot(w, v_ptr, k0, K, BLOCK_K)
 
     @triton.jit
     def _load_q4_0(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,

@@ -118,4 +118,4 @@ if triton is not None:
             return dv - 128.0 * tl.sum(d * tl.sum(v, axis=1)[None, :], axis=1)
         else:
             w = _in_one_block(w_ptr, rows, row_ok, k0, K, BLOCK_K, "evict_first")
-            return in_order_dot(w, v_ptr, k0, BLOCK_K)
+            return in_order_dot(w, v_ptr, k0, K, BLOCK_K)
