@@ -6,9 +6,9 @@
     loaded = load_model(path, runner_factory=AllResidentRunner.factory, progress=False)
 
 Each family exercises some quirk (GQA, tied embeddings, biases, qk-norm, shared experts, sparse
-step / mlp_only_layers, sliding windows, scaled rope). Weights are perturbed so that every norm and
-bias matters, and routers are scaled so routing probabilities are far from uniform (top-k is then
-stable under float noise). The same (family, seed) always gives the same weights.
+step / mlp_only_layers, sliding windows, scaled rope, latent attention, grouped routing). Weights
+are perturbed so that every norm and bias matters, and routers are scaled so routing probabilities
+are far from uniform (top-k is then stable under float noise). The same (family, seed) always gives the same weights.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.store import ExpertStore
 from moe_serve.engine.models.config import ModelConfig
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _BASE: dict[str, Any] = dict(
@@ -69,6 +69,24 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "olmoe": ("OlmoeConfig", dict(
         num_key_value_heads=4, intermediate_size=32, num_experts=8, num_experts_per_tok=3, clip_qkv=3.0,
     )),
+    # latent attention with queries straight from x, routing limited to the best 2 of 4 groups
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, moe_intermediate_size=16,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, norm_topk_prob=False,
+    )),
+    # latent attention with low-rank queries and attention bias, yarn's attention temperature on
+    # q.k; sigmoid routing with the correction bias, groups scored by their best two, renormalised
+    # and scaled weights
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        attention_bias=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                             mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0),
+    )),
 }
 
 
@@ -98,6 +116,9 @@ def _perturb(model: torch.nn.Module, hidden: int, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.gate.weight") and p.shape[0] > 1:  # a router [E, H]
                 p.copy_(2.0 / math.sqrt(hidden) * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: it must change which experts are picked
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def build_tiny_checkpoint(family: str, path: str | Path, *, fused_experts: bool = False, seed: int = 0,

@@ -137,7 +137,7 @@ class SafetensorsCheckpoint:
         self.rules = FAMILIES[self.config.architecture].rules
 
     def targets(self) -> list[TensorTarget]:
-        return _plan(checkpoint_files(self.path), self.rules, self.quant)
+        return _plan(checkpoint_files(self.path), self.rules, self.quant, _unrun_layer_names(self.config))
 
     def tensors(self, targets: list[TensorTarget], bar: tqdm) -> Tensors:
         return _tensors(targets, bar)
@@ -199,9 +199,19 @@ def _compile(rule: TensorRule) -> re.Pattern[str]:
     return re.compile(pattern + "$")
 
 
-def _plan(files: list[Path], rules: tuple[TensorRule, ...], quant: CheckpointQuant | None) -> list[TensorTarget]:
+def _unrun_layer_names(config: ModelConfig) -> re.Pattern[str] | None:
+    """The names of the decoder layers past the last one that the config says are not run."""
+    if not config.unrun_layers:
+        return None
+    numbers = "|".join(str(config.num_layers + i) for i in range(config.unrun_layers))
+    return re.compile(rf"model\.layers\.({numbers})\.")
+
+
+def _plan(files: list[Path], rules: tuple[TensorRule, ...], quant: CheckpointQuant | None,
+          unrun: re.Pattern[str] | None = None) -> list[TensorTarget]:
     """Every tensor name in the checkpoint mapped to its target, a quantized weight's tensors grouped
-    into one; unknown names and incomplete groups fail here, before any data is read."""
+    into one (names `unrun` matches skipped); unknown names and incomplete groups fail here, before
+    any data is read."""
     compiled = [(rule, _compile(rule)) for rule in rules]
     targets: list[TensorTarget] = []
     groups: dict[str, dict[str, tuple[Path, str]]] = {}  # weight name -> role -> (file, tensor name)
@@ -209,6 +219,8 @@ def _plan(files: list[Path], rules: tuple[TensorRule, ...], quant: CheckpointQua
     for file in files:
         with safe_open(file, framework="pt") as f:
             for name in f.keys():
+                if unrun is not None and unrun.match(name):
+                    continue
                 found = _quantized_part(name, quant, compiled)
                 if found is None:
                     targets.append(_match(name, file, compiled))

@@ -83,7 +83,7 @@ def test_expert_given_twice_is_refused(copy: Path) -> None:
 
 def test_unsupported_architecture(copy: Path) -> None:
     config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
+    (copy / "config.json").write_text(json.dumps({**config, "architectures": ["GptOssForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architectures.*Qwen2MoeForCausalLM"):
         _load(copy)
 
@@ -171,3 +171,28 @@ def test_no_progress_bar_off_a_terminal_only_log_lines(qwen2_moe: Path, capfd: p
     assert "\r" not in capfd.readouterr().err
     messages = [record.getMessage() for record in caplog.records]
     assert messages[0].startswith("loading weights: ") and messages[-1].startswith("weights loaded in ")
+
+
+def test_deepseek_v3_multi_token_prediction_layers_are_skipped_unread(tmp_path: Path) -> None:
+    """DeepSeek-V3 checkpoints carry num_nextn_predict_layers MTP layers numbered after the last
+    decoder layer (their own norms and projection beside a whole decoder layer); they load as
+    nothing, and a config that does not announce them leaves them unexpected."""
+    path = build_tiny_checkpoint("deepseek_v3", tmp_path / "v3")
+    config = json.loads((path / "config.json").read_text())
+    last, mtp = config["num_hidden_layers"] - 1, config["num_hidden_layers"]
+    assert config["num_nextn_predict_layers"] == 1
+    expected = _logits(_load(path))
+
+    def add_mtp_layer(tensors: Tensors) -> None:
+        prefix = f"model.layers.{last}."
+        for name in [n for n in tensors if n.startswith(prefix)]:
+            tensors[f"model.layers.{mtp}." + name.removeprefix(prefix)] = tensors[name].clone()
+        hidden = config["hidden_size"]
+        tensors[f"model.layers.{mtp}.eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+        tensors[f"model.layers.{mtp}.enorm.weight"] = torch.ones(hidden)
+
+    _edit(path, add_mtp_layer)
+    torch.testing.assert_close(_logits(_load(path)), expected, rtol=0, atol=0)
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(LoadError, match=f"unexpected tensor 'model[.]layers[.]{mtp}[.]"):
+        _load(path)

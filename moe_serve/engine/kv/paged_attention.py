@@ -26,7 +26,8 @@ sequence's K/V) and 0.09 ms gathered + SDPA, while decode batches and 5-token ve
 2-4x faster in the kernel. The runs come from the host's step layout of an eager step, so
 choosing them costs no sync; CUDA-graphed decode steps have none.
 
-Kernel limits: any head_dim (padded to a power of two >= 16 and masked) and any block_size; the
+Kernel limits: any head_dim up to MAX_KERNEL_HEAD_DIM (padded to a power of two >= 16 and
+masked) and any block_size; the
 g query heads of a kv head are padded to tl.dot's 16 rows (free while memory-bound). q and the
 cache must share a dtype (bf16, fp16, fp32). One program per (token, kv head) and no split over
 the keys, so few long sequences underfill the GPU (8 x 8192 keys: ~1.4 TB/s on H100, against
@@ -55,6 +56,11 @@ _TORCH_GATHER_ELEMENTS = 1 << 24
 # a GPU: 5 queries are faster in the kernel, 512 are 3-8x faster in SDPA (bench/results/attention/);
 # the crossover between was not measured.
 PREFILL_RUN_MIN_QUERIES = 128
+# The widest head the kernel takes. Its tiles are keys_per_step x the head padded to a power of two,
+# K's and V's each in shared memory with 3 pipeline stages: 128 x 256 bf16 tiles fill an H100's
+# 228 KB already. DeepSeek's latent attention (one 576-wide head) takes the torch path until a
+# kernel with narrower tiles is measured.
+MAX_KERNEL_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -97,8 +103,9 @@ def paged_attention_available(device: torch.device | str) -> bool:
 
 
 def paged_attention_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The Triton path applies: a GPU, triton, one supported dtype for q and the cache, packed head dims."""
-    return (paged_attention_available(q.device) and q.dtype in SUPPORTED_DTYPES
+    """The Triton path applies: a GPU, triton, one supported dtype for q and the cache, packed head dims
+    of at most MAX_KERNEL_HEAD_DIM."""
+    return (paged_attention_available(q.device) and q.dtype in SUPPORTED_DTYPES and q.shape[-1] <= MAX_KERNEL_HEAD_DIM
             and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
             and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1)
 

@@ -25,23 +25,26 @@ if TYPE_CHECKING:  # the models package imports this module
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    """Keys and values of one token in every layer."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+    """Keys and values of one token in every layer (keys alone where the values are the keys)."""
+    tensors = 1 if config.values_are_keys else 2
+    per_tensor = config.num_layers * config.num_kv_heads * config.head_dim
+    return tensors * per_tensor * torch.empty((), dtype=dtype).element_size()
 
 
 class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
-                 device: torch.device | str, dtype: torch.dtype) -> None:
+                 device: torch.device | str, dtype: torch.dtype, values_are_keys: bool = False) -> None:
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # [L, N, B, nkv, D]
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # [L, N, B, nkv, D]
+        # a latent attention's values are its keys (models/blocks.py LatentAttentionLayer): held once
+        self.values = self.keys if values_are_keys else torch.zeros(shape, device=device, dtype=dtype)
         self.block_size = block_size
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_blocks: int, block_size: int, *, device: torch.device | str,
                   dtype: torch.dtype) -> PagedKVCache:
         return cls(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, device=device,
-                   dtype=dtype)
+                   dtype=dtype, values_are_keys=config.values_are_keys)
 
     @property
     def num_blocks(self) -> int:
@@ -49,19 +52,25 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return (1 if self.values is self.keys else 2) * self.keys.numel() * self.keys.element_size()
 
     def copy_to(self, kv: KVCache, block_table: list[int], start: int, end: int) -> None:
         """Positions [start, end) of one sequence into a contiguous one-sequence cache (every layer)."""
         slots = self._slots(block_table, start, end, kv.keys.device)
-        for mine, theirs in ((self.keys, kv.keys), (self.values, kv.values)):
+        for mine, theirs in self._pairs(kv):
             theirs[:, start:end] = mine.flatten(1, 2).index_select(1, slots)  # [L, end-start, nkv, D]
 
     def copy_from(self, kv: KVCache, block_table: list[int], start: int, end: int) -> None:
         """Positions [start, end) of one sequence back from a contiguous one-sequence cache."""
         slots = self._slots(block_table, start, end, kv.keys.device)
-        for mine, theirs in ((self.keys, kv.keys), (self.values, kv.values)):
+        for mine, theirs in self._pairs(kv):
             mine.flatten(1, 2).index_copy_(1, slots, theirs[:, start:end])
+
+    def _pairs(self, kv: KVCache) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(ours, theirs) for the keys, and the values unless both caches hold them as the keys."""
+        if self.values is self.keys and kv.values is kv.keys:
+            return ((self.keys, kv.keys),)
+        return (self.keys, kv.keys), (self.values, kv.values)
 
     def _slots(self, block_table: list[int], start: int, end: int, device: torch.device) -> torch.Tensor:
         bs = self.block_size
@@ -72,7 +81,8 @@ class PagedKVCache:
         """Store k, v [T, nkv, D] at flat slots [T] (block * block_size + row)."""
         nkv, d = k.shape[1:]
         self.keys[layer].view(-1, nkv, d).index_copy_(0, slots, k)
-        self.values[layer].view(-1, nkv, d).index_copy_(0, slots, v)
+        if self.values is not self.keys:
+            self.values[layer].view(-1, nkv, d).index_copy_(0, slots, v)
 
 
 @dataclass(frozen=True)
@@ -131,10 +141,12 @@ class PagedStep:
         return cls(cache, dev[0], dev[1], dev[2], torch.tensor(tables, dtype=torch.int32).to(device),
                    layout.max_span, runs, others)
 
-    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
         """Write this step's k, v [T, nkv, D], then attend q [T, nq, D] over each token's sequence -> [T, nq*D]."""
         self.cache.write(layer, self.slots, k, v)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         out = paged_attention(q, self.cache.keys[layer], self.cache.values[layer], self.block_tables, self.query_seq,
-                              self.positions, scale=q.shape[-1] ** -0.5, window=window, max_span=self.max_span,
+                              self.positions, scale=scale, window=window, max_span=self.max_span,
                               prefill_runs=self.prefill_runs, other_queries=self.other_queries)
         return out.reshape(q.shape[0], -1)

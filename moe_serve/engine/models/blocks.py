@@ -21,13 +21,16 @@ from moe_serve.engine.kv.paged_cache import PagedStep
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.models.rope import RotaryEmbedding, apply_rotary
+from moe_serve.engine.models.variants import Router
 
 AttentionHook = Callable[[int, torch.Tensor], None]  # (decoder layer index, h [T, H])
 
 
 class KVAttention(Protocol):
-    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store this forward's k, v [T, nkv, D] and attend q [T, nq, D] over the cache -> [T, nq*D]."""
+    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """Store this forward's k, v [T, nkv, D] and attend q [T, nq, D] over the cache -> [T, nq*D],
+        softmax(q.k * scale) (None: D ** -0.5)."""
         ...
 
 
@@ -77,6 +80,7 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.clip_qkv = config.clip_qkv
         self.window = config.attention_windows[layer]
+        self.scale = config.attention_scale
         h = config.hidden_size
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype)
         self.o = nn.Linear(self.q_size, h, bias=config.o_bias, dtype=dtype)
@@ -98,8 +102,68 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
-        out = step.attention.attend(self.layer, self.window, q, k, v)  # [T, nq*D]
+        out = step.attention.attend(self.layer, self.window, q, k, v, self.scale)  # [T, nq*D]
         return self.o(out)  # [T, H]
+
+
+class LatentAttentionLayer(nn.Module):
+    """DeepSeek's multi-head latent attention, computed over the latent itself (the absorbed form).
+
+    Every head's key is k_nope = W_uk c plus a roped part k_pe shared by the heads, and its value
+    W_uv c, for the token's latent c. So q.k = (W_uk^T q_nope).c + q_pe.k_pe: with each head's
+    query carried into the latent's space, all heads attend over ONE key per token, [c, k_pe],
+    whose first kv_lora_rank dims also serve as the value; W_uv then maps each head's weighted
+    latent out. The cache holds that one key per token (kv_lora_rank + qk_rope_head_dim wide: 576
+    for DeepSeek-V2/V3), not 2 x heads x head dims (V3: 128 x 2 x ~160), and the attention kernels
+    see multi-query attention with a custom scale.
+    """
+
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        mla = config.mla
+        self.layer, self.mla = layer, mla
+        self.window = config.attention_windows[layer]
+        self.scale = config.attention_scale
+        self.num_heads = config.num_heads
+        h, heads = config.hidden_size, config.num_heads
+        q_dim = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+        if mla.q_lora_rank is None:
+            self.q = nn.Linear(h, q_dim, bias=False, dtype=dtype)
+        else:
+            self.q_a = nn.Linear(h, mla.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype)
+            self.q_b = nn.Linear(mla.q_lora_rank, q_dim, bias=False, dtype=dtype)
+        self.kv_a = nn.Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=config.qkv_bias, dtype=dtype)
+        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype)
+        # [heads * (nope + v), kv_lora_rank]: read as W_uk and W_uv, never applied to the latent
+        self.kv_b = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False,
+                              dtype=dtype)
+        self.o = nn.Linear(heads * mla.v_head_dim, h, bias=config.o_bias, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        mla, t, heads = self.mla, x.shape[0], self.num_heads
+        nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
+        q = self.q(x) if mla.q_lora_rank is None else self.q_b(self.q_a_norm(self.q_a(x)))
+        q_nope, q_pe = q.view(t, heads, -1).split([nope, mla.qk_rope_head_dim], dim=-1)  # [T, n, nope], [T, n, R]
+        latent, k_pe = self.kv_a(x).split([rank, mla.qk_rope_head_dim], dim=-1)  # [T, C], [T, R]
+        latent = self.kv_a_norm(latent)
+        k_pe = k_pe[:, None]  # [T, 1, R]
+        if mla.rope_interleaved:  # pairs (x0, x1), (x2, x3), ... to halves: the same rotation, as apply_rotary's
+            q_pe, k_pe = _pairs_to_halves(q_pe), _pairs_to_halves(k_pe)
+        q_pe, k_pe = apply_rotary(q_pe, step.cos, step.sin), apply_rotary(k_pe, step.cos, step.sin)
+        w = self.kv_b.weight.view(heads, nope + mla.v_head_dim, rank)  # [n, nope + v, C]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [T, n, C]
+        key = torch.cat([latent[:, None], k_pe], dim=-1)  # [T, 1, C + R]: the latent is the value too
+        out = step.attention.attend(self.layer, self.window, torch.cat([q_latent, q_pe], dim=-1), key, key,
+                                    self.scale)  # [T, n * (C + R)]
+        weighted = out.view(t, heads, -1)[..., :rank]  # [T, n, C]
+        values = torch.bmm(weighted.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [n, T, v]
+        return self.o(values.transpose(0, 1).reshape(t, -1))  # [T, H]
+
+
+def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] with its rotated dims in interleaved pairs -> the even dims, then the odd ones."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -112,16 +176,17 @@ class SequenceAttention:
     positions: torch.Tensor | None = None  # [T] on device: static-shape (graph) forward
     span: int = 0  # keys every query attends over in a static-shape forward
 
-    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
         if self.positions is None:
             keys, values = self.kv.write(layer, self.start, k, v)  # [S, nkv, D] each
         else:
             keys, values = self.kv.write_at(layer, self.positions, k, v, self.span)  # [span, nkv, D]
-        return self._attend(q, keys, values, self.masks[window], self.start == 0 and q.shape[0] > 1)  # [T, nq*D]
+        return self._attend(q, keys, values, self.masks[window], self.start == 0 and q.shape[0] > 1, scale)  # [T, nq*D]
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                causal: bool) -> torch.Tensor:
+                causal: bool, scale: float | None) -> torch.Tensor:
         """q [T, nq, D] over keys/values [S, nkv, D] -> [T, nq*D].
 
         Batched 4-D inputs, because SDPA's fused kernels take nothing else: 3-D ones fall back to
@@ -136,24 +201,50 @@ class SequenceAttention:
         if mask is not None and nq != nkv:
             g = nq // nkv
             q4 = q.view(t, nkv, g, d).permute(1, 2, 0, 3).reshape(1, nkv, g * t, d)  # rows (i, t) per kv head
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask.repeat(g, 1)[None, None])
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask.repeat(g, 1)[None, None], scale=scale)
             return out.view(nkv, g, t, d).permute(2, 0, 1, 3).reshape(t, nq * d)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k4, v4,  # [1, nq, T, D]
             attn_mask=None if mask is None else mask[None, None],
             is_causal=mask is None and causal,
             enable_gqa=nq != nkv,
+            scale=scale,
         )  # [1, nq, T, D]
         return out[0].transpose(0, 1).reshape(t, nq * d)
 
 
-def route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(expert_ids [T, k], weights [T, k] fp32, probs [T, E] fp32) from router logits [T, E]."""
-    probs = torch.softmax(router_logits.float(), dim=-1)  # [T, E]
-    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k], best first
+def expert_scores(router_logits: torch.Tensor, router: Router) -> torch.Tensor:
+    """Every expert's score [..., E] fp32 from router logits [..., E]: softmax, or DeepSeek-V3's sigmoid."""
+    logits = router_logits.float()
+    return torch.sigmoid(logits) if router.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+
+
+def choose_experts(scores: torch.Tensor, top_k: int, router: Router,
+                   correction: torch.Tensor | None = None) -> torch.Tensor:
+    """The top-k experts [N, k] by score [N, E] (plus `correction`, broadcast to it), best first,
+    only among each row's topk_groups best groups when the router groups its experts."""
+    choice = scores if correction is None else scores + correction
+    if router.groups > 1:
+        grouped = choice.view(choice.shape[0], router.groups, -1)  # [N, G, E/G]
+        group_scores = (grouped.amax(dim=-1) if router.group_score == "max"
+                        else grouped.topk(2, dim=-1).values.sum(dim=-1))  # [N, G]
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(router.topk_groups, dim=-1).indices, True)  # [N, G]
+        choice = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(1)  # [N, E]
+    return torch.topk(choice, top_k, dim=-1).indices
+
+
+def route(router_logits: torch.Tensor, top_k: int, normalize: bool, router: Router = Router(),
+          correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(expert_ids [T, k], weights [T, k] fp32, probs [T, E] fp32) from router logits [T, E]: the
+    experts choose_experts picks, weighed by their scores (never the correction), renormalised if
+    `normalize`, times router.scaling."""
+    probs = expert_scores(router_logits, router)  # [T, E]
+    ids = choose_experts(probs, top_k, router, correction)  # [T, k], best first
+    weights = probs.gather(1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights, probs
+    return ids, weights * router.scaling if router.scaling != 1.0 else weights, probs
 
 
 class MoEBlock(nn.Module):
@@ -162,18 +253,26 @@ class MoEBlock(nn.Module):
         self.moe_layer = moe_layer
         self.top_k = config.top_k
         self.normalize = config.norm_topk_prob
+        self.router_config = config.router
         h = config.hidden_size
         self.router = nn.Linear(h, config.num_experts, bias=False, dtype=dtype)
+        # picks experts, never weighs them: fp32, as it is added to fp32 probabilities
+        self.router_bias = (nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
+                            if config.router.correction_bias else None)
         self.shared: SwiGLU | None = None
+        self.shared_gate: nn.Linear | None = None
         if config.shared_expert_intermediate_size:
             self.shared = SwiGLU(h, config.shared_expert_intermediate_size, False, dtype)
-            self.shared_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
+            if config.shared_expert_gated:
+                self.shared_gate = nn.Linear(h, 1, bias=False, dtype=dtype)
 
     def routing(self, x: torch.Tensor, top_r: int | None) -> LayerRouting:
         """Route x [T, H]; with top_r, keep only each token's r best experts (SS-MoE self-draft),
         offering the runner the whole top-k to pick resident ones from."""
-        ids, weights, probs = route(self.router(x), self.top_k, self.normalize)  # [T, K], best first
-        routing = LayerRouting(self.moe_layer, ids, weights, probs, normalize=self.normalize)
+        ids, weights, probs = route(self.router(x), self.top_k, self.normalize, self.router_config,
+                                    self.router_bias)  # [T, K], best first
+        routing = LayerRouting(self.moe_layer, ids, weights, probs, normalize=self.normalize,
+                               scale=self.router_config.scaling)
         if top_r is None or top_r >= self.top_k:
             return routing
         best = ids[:, :top_r]  # [T, r]
@@ -181,8 +280,10 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, runner: ExpertRunner, top_r: int | None) -> torch.Tensor:
         out = runner.run(x, self.routing(x, top_r))  # [T, H]
-        if self.shared is not None:
+        if self.shared_gate is not None:
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        elif self.shared is not None:
+            out = out + self.shared(x)
         return out
 
 
@@ -191,7 +292,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.attn = Attention(config, layer, dtype)
+        self.attn = (Attention(config, layer, dtype) if config.mla is None
+                     else LatentAttentionLayer(config, layer, dtype))
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         moe_layer = config.moe_index(layer)
         self.mlp: MoEBlock | SwiGLU
@@ -259,7 +361,7 @@ class CausalLM(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
-            self.rotary = RotaryEmbedding(config.rope, config.head_dim)
+            self.rotary = RotaryEmbedding(config.rope, config.rope_dim)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.requires_grad_(False)

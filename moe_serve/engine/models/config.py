@@ -12,6 +12,7 @@ from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.models.registry import family_for
 from moe_serve.engine.quantized_checkpoints import checkpoint_quant
 from moe_serve.engine.models.rope import RopeConfig
+from moe_serve.engine.models.variants import LatentAttention, Router
 
 QK_NORM_KINDS = ("none", "per_head", "full")
 
@@ -36,6 +37,8 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: str = "none"  # none | per_head (RMSNorm over head_dim) | full (over the whole q / k projection)
     clip_qkv: float | None = None
+    mla: LatentAttention | None = None  # DeepSeek's latent attention: head_dim is then the cache row's
+    attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
     attention_windows: tuple[int | None, ...] = ()  # per layer: sliding window, None = full causal
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -45,6 +48,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True  # Qwen2-MoE scales it by sigmoid(shared_gate(x)); DeepSeek adds it as is
+    router: Router = Router()
     moe_layers: tuple[int, ...] = ()  # decoder layer indices that are MoE, in order
     # the experts/formats/ name of the routed experts as a quantized checkpoint publishes them
     # (moe_serve/engine/quantized_checkpoints/); "none" for a float checkpoint
@@ -52,6 +57,9 @@ class ModelConfig:
     # per MoE layer, (gate/up's, down's) format names, where layers differ (a GGUF Q4_K_M file keeps
     # some layers' ffn_down in Q6_K); empty: every layer's experts are published_expert_format
     published_layer_formats: tuple[tuple[str, str], ...] = ()
+    # decoder layers the checkpoint carries past num_layers that are not run: DeepSeek-V3's
+    # multi-token-prediction layers (num_nextn_predict_layers), which the loader skips unread
+    unrun_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.qk_norm not in QK_NORM_KINDS:
@@ -65,6 +73,8 @@ class ModelConfig:
                              f"{len(self.moe_layers)} MoE layers")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise ValueError("dense layers present but intermediate_size is 0")
+        if self.moe_layers and self.num_experts % self.router.groups:
+            raise ValueError(f"{self.num_experts} experts do not split into n_group={self.router.groups} groups")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -98,6 +108,17 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.moe_layers)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of a head that RoPE rotates: a latent attention's roped part, else the whole head."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def values_are_keys(self) -> bool:
+        """A latent attention attends over its cached latent as keys and values alike: the KV cache
+        holds it once."""
+        return self.mla is not None
 
     @property
     def num_moe_layers(self) -> int:

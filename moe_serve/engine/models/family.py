@@ -7,9 +7,13 @@ Our parameter names (the targets of the map), with L the decoder layer:
   layers.L.attn_norm.weight, layers.L.mlp_norm.weight
   layers.L.attn.qkv.{weight,bias} (q, k, v rows fused), layers.L.attn.o.{weight,bias}
   layers.L.attn.q_norm.weight, layers.L.attn.k_norm.weight
+  latent attention (DeepSeek): layers.L.attn.q.weight or layers.L.attn.{q_a,q_b}.weight with
+                layers.L.attn.q_a_norm.weight; layers.L.attn.kv_a.weight, layers.L.attn.kv_a_norm.weight,
+                layers.L.attn.kv_b.weight, layers.L.attn.o.weight (q_a, kv_a and o with optional biases)
   dense layer:  layers.L.mlp.gate_up.{weight,bias} (gate, up rows fused), layers.L.mlp.down.{weight,bias}
-  MoE layer:    layers.L.mlp.router.weight, layers.L.mlp.shared.gate_up.weight,
-                layers.L.mlp.shared.down.weight, layers.L.mlp.shared_gate.weight
+  MoE layer:    layers.L.mlp.router.weight, layers.L.mlp.router_bias (DeepSeek-V3's correction),
+                layers.L.mlp.shared.gate_up.weight, layers.L.mlp.shared.down.weight,
+                layers.L.mlp.shared_gate.weight
 Routed experts go to the ExpertStore instead: targets "expert.gate", "expert.up", "expert.down"
 (one expert, HF name has {E}) or "expert.gate_up", "expert.down" (all experts fused, no {E}).
 """
@@ -36,23 +40,30 @@ class Family:
     rules: tuple[TensorRule, ...]
 
 
-def _layer(name: str) -> str:
+def layer_name(name: str) -> str:
     return "model.layers.{L}." + name
+
+
+# the embedding, the head and each layer's two norms: every family's
+MODEL_RULES = (
+    TensorRule("model.embed_tokens.weight", "embed.weight"),
+    TensorRule("model.norm.weight", "norm.weight"),
+    TensorRule("lm_head.weight", "lm_head.weight"),
+    TensorRule(layer_name("input_layernorm.weight"), "layers.{L}.attn_norm.weight"),
+    TensorRule(layer_name("post_attention_layernorm.weight"), "layers.{L}.mlp_norm.weight"),
+)
 
 
 def _attention_rules() -> tuple[TensorRule, ...]:
     rules = [
-        TensorRule("model.embed_tokens.weight", "embed.weight"),
-        TensorRule("model.norm.weight", "norm.weight"),
-        TensorRule("lm_head.weight", "lm_head.weight"),
-        TensorRule(_layer("input_layernorm.weight"), "layers.{L}.attn_norm.weight"),
-        TensorRule(_layer("post_attention_layernorm.weight"), "layers.{L}.mlp_norm.weight"),
-        TensorRule(_layer("self_attn.q_norm.weight"), "layers.{L}.attn.q_norm.weight"),
-        TensorRule(_layer("self_attn.k_norm.weight"), "layers.{L}.attn.k_norm.weight"),
+        *MODEL_RULES,
+        TensorRule(layer_name("self_attn.q_norm.weight"), "layers.{L}.attn.q_norm.weight"),
+        TensorRule(layer_name("self_attn.k_norm.weight"), "layers.{L}.attn.k_norm.weight"),
     ]
     for kind in ("weight", "bias"):
-        rules += [TensorRule(_layer(f"self_attn.{p}_proj.{kind}"), f"layers.{{L}}.attn.qkv.{kind}", p) for p in "qkv"]
-        rules.append(TensorRule(_layer(f"self_attn.o_proj.{kind}"), f"layers.{{L}}.attn.o.{kind}"))
+        rules += [TensorRule(layer_name(f"self_attn.{p}_proj.{kind}"), f"layers.{{L}}.attn.qkv.{kind}", p)
+                  for p in "qkv"]
+        rules.append(TensorRule(layer_name(f"self_attn.o_proj.{kind}"), f"layers.{{L}}.attn.o.{kind}"))
     return tuple(rules)
 
 
@@ -72,7 +83,7 @@ def swiglu_rules(hf_prefix: str, ours_prefix: str, names: tuple[str, str, str]) 
 def expert_rules(moe_prefix: str, names: tuple[str, str, str]) -> tuple[TensorRule, ...]:
     """Routed experts both as HF writes them (per expert) and as transformers 5 holds them (fused 3-D)."""
     gate, up, down = names
-    experts = _layer(moe_prefix + "experts.")
+    experts = layer_name(moe_prefix + "experts.")
     return (
         TensorRule(experts + "{E}." + gate + ".weight", EXPERT_PREFIX + "gate"),
         TensorRule(experts + "{E}." + up + ".weight", EXPERT_PREFIX + "up"),
@@ -83,11 +94,11 @@ def expert_rules(moe_prefix: str, names: tuple[str, str, str]) -> tuple[TensorRu
 
 
 def router_rule(moe_prefix: str) -> TensorRule:
-    return TensorRule(_layer(moe_prefix + "gate.weight"), "layers.{L}.mlp.router.weight")
+    return TensorRule(layer_name(moe_prefix + "gate.weight"), "layers.{L}.mlp.router.weight")
 
 
 ATTENTION_RULES = _attention_rules()
-DENSE_MLP_RULES = swiglu_rules(_layer("mlp."), "layers.{L}.mlp.", ("gate_proj", "up_proj", "down_proj"))
+DENSE_MLP_RULES = swiglu_rules(layer_name("mlp."), "layers.{L}.mlp.", ("gate_proj", "up_proj", "down_proj"))
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 

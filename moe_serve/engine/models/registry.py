@@ -4,6 +4,7 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
+from moe_serve.engine.models.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from moe_serve.engine.models.family import Family
 from moe_serve.engine.models.llama import LLAMA, MISTRAL
 from moe_serve.engine.models.mixtral import MIXTRAL
@@ -14,7 +15,8 @@ from moe_serve.engine.models.qwen3 import QWEN3
 from moe_serve.engine.models.qwen3_moe import QWEN3_MOE
 
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
-    {arch: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE)
+    {arch: family
+     for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3)
      for arch in family.architectures}
 )
 

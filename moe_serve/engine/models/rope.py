@@ -98,7 +98,7 @@ def _llama3(rope: RopeConfig, dim: int, seq_len: int) -> tuple[torch.Tensor, flo
     return torch.where(is_medium, smoothed, scaled), 1.0
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -106,8 +106,8 @@ def _yarn_attention_factor(rope: RopeConfig) -> float:
     if rope.attention_factor is not None:
         return float(rope.attention_factor)
     if rope.mscale and rope.mscale_all_dim:
-        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
-    return _yarn_mscale(rope.factor)
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 def _yarn_correction_dim(rotations: float, dim: int, base: float, length: int) -> float:

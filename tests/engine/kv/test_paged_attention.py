@@ -43,6 +43,9 @@ CUDA_CASES = [
     ([100, 250], [1, 4], 4, 2, 80, 16, None),  # D = 80: masked to 128
     ([40, 2000], [8, 1], 2, 8, 64, 32, 4096),
 ]
+# DeepSeek's latent attention: one kv head serving 4 query heads, 40 wide, its values being its keys
+# (as_latent), softmax scale from the full head's width
+LATENT_CASE = ([9, 40, 17], [3, 5, 1], 1, 4, 40, 4, None)
 # Fewer keys per step than most spans: every program loops, and tiles straddle blocks.
 TINY = PagedAttentionConfig(keys_per_step=16, num_warps=1)
 
@@ -113,6 +116,13 @@ def expected(p: Problem) -> torch.Tensor:
     return out
 
 
+def as_latent(p: Problem) -> Problem:
+    """p with the cache's values being its keys (one tensor, as a latent attention's PagedKVCache
+    holds them) and a scale other than D ** -0.5."""
+    p.v_cache, p.values, p.scale = p.k_cache, p.keys, 24 ** -0.5
+    return p
+
+
 def torch_path(p: Problem) -> torch.Tensor:
     return paged_attention_torch(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span)
 
@@ -130,6 +140,13 @@ def test_torch_path_matches_contiguous_sdpa(case):
     p = make_problem(case)
     got = torch_path(p)
     assert got.shape == p.q.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected(p), rtol=1e-5, atol=1e-5)
+
+
+def test_latent_attention_paths_match_contiguous_sdpa():
+    p = as_latent(make_problem(LATENT_CASE))
+    torch.testing.assert_close(torch_path(p), expected(p), rtol=1e-5, atol=1e-5)
+    got = pa.paged_attention_per_sequence(*p.args()[:6], scale=p.scale, window=p.window)
     torch.testing.assert_close(got, expected(p), rtol=1e-5, atol=1e-5)
 
 
@@ -226,6 +243,10 @@ def check_interpreted(cases: list[tuple]) -> None:
     p = with_padding_query(make_problem(cases[1]))
     got = paged_attention_triton(*p.args(), scale=p.scale, window=p.window, config=TINY)
     assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    p = as_latent(make_problem(LATENT_CASE))
+    for config in (TINY, None):
+        got = paged_attention_triton(*p.args(), scale=p.scale, window=p.window, config=config)
+        torch.testing.assert_close(got, expected(p), rtol=1e-5, atol=1e-5, msg=lambda m: f"latent {config}: {m}")
 
 
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and paged_attention_available("cuda")),
@@ -272,6 +293,15 @@ def test_cuda_graph_replays_new_positions_and_tables(path):
     graph.replay()
     torch.testing.assert_close(captured, run(), rtol=0, atol=0)
     torch.testing.assert_close(captured.float(), expected(p), rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
+def test_cuda_latent_attention_heads_wider_than_the_kernel_take_the_torch_path():
+    """DeepSeek-V2/V3's cache row: 512 latent + 64 roped dims, one kv head for 16 query heads."""
+    p = as_latent(make_problem(([300, 40], [1, 4], 1, 16, 576, 16, None), torch.bfloat16, "cuda"))
+    assert not pa.paged_attention_supported(p.q, p.k_cache, p.v_cache)
+    got = paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span)
+    torch.testing.assert_close(got.float(), expected(p), rtol=2e-2, atol=2e-2)
 
 
 @needs_cuda

@@ -1,9 +1,15 @@
 """ModelConfig.from_hf: family quirks read from config.json."""
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+
+from moe_serve.engine.kv.paged_cache import PagedKVCache, kv_bytes_per_token
+from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.models.config import ModelConfig
+from moe_serve.engine.models.variants import Router
 from tests.tiny_checkpoints import tiny_hf_model
 
 
@@ -57,3 +63,42 @@ def test_head_dim_and_eos_ids() -> None:
     assert _config("qwen3").head_dim == 24
     assert _config("mixtral", head_dim=None).head_dim == 16
     assert _config("llama", eos_token_id=[2, 5]).eos_token_ids == (2, 5)
+
+
+def test_deepseek_latent_attention_routing_and_dense_first_layers() -> None:
+    v2, v3 = _config("deepseek_v2"), _config("deepseek_v3")
+    for config in (v2, v3):
+        assert config.moe_layers == (1, 2) and config.intermediate_size == 96  # first_k_dense_replace = 1
+        assert config.num_kv_heads == 1 and config.head_dim == 32 + 8 and config.rope_dim == 8
+        assert config.values_are_keys and not config.shared_expert_gated
+    assert v2.mla.q_lora_rank is None and v3.mla.q_lora_rank == 24 and v3.qkv_bias and v3.o_bias
+    assert v2.router == Router("softmax", 4, 2, "max", False, 1.5) and not v2.norm_topk_prob
+    assert v3.router == Router("sigmoid", 4, 2, "top2", True, 2.5) and v3.norm_topk_prob
+    assert v2.shared_expert_intermediate_size == 2 * 16 and v3.shared_expert_intermediate_size == 16
+    assert v2.attention_scale == pytest.approx(24 ** -0.5)
+    mscale = 0.1 * math.log(4.0) + 1.0  # yarn's factor 4, mscale_all_dim 1: squared onto q.k
+    assert v3.attention_scale == pytest.approx(24 ** -0.5 * mscale**2)
+    assert v3.unrun_layers == 1 and v2.unrun_layers == 0
+    assert _config("deepseek_v2", topk_method="greedy").router == Router(scaling=1.5)
+    assert _config("deepseek_v3", first_k_dense_replace=0, moe_layer_freq=2).moe_layers == (0, 2)
+
+
+@pytest.mark.parametrize(("family", "overrides", "message"), [
+    ("deepseek_v2", {"norm_topk_prob": True}, "DeepSeek-V2 routing .*norm_topk_prob=True"),
+    ("deepseek_v2", {"topk_method": "noaux_tc"}, "topk_method 'noaux_tc'"),
+    ("deepseek_v3", {"scoring_func": "softmax"}, "scoring_func='softmax'"),
+    ("deepseek_v3", {"n_group": 3}, "do not split into n_group=3"),
+])
+def test_deepseek_routing_it_does_not_serve_is_refused(family: str, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _config(family, **overrides)
+
+
+def test_latent_attention_cache_holds_one_row_a_token_and_layer() -> None:
+    v3, olmoe = _config("deepseek_v3"), _config("olmoe")
+    assert kv_bytes_per_token(v3, torch.float32) == 3 * 40 * 4  # layers x (latent + roped key) x fp32
+    assert kv_bytes_per_token(olmoe, torch.float32) == 2 * 3 * 4 * 16 * 4
+    paged = PagedKVCache.for_model(v3, 4, 8, device="cpu", dtype=torch.float32)
+    assert paged.values is paged.keys and paged.nbytes == 4 * 8 * kv_bytes_per_token(v3, torch.float32)
+    contiguous = KVCache.for_model(v3, 8, device="cpu", dtype=torch.float32)
+    assert contiguous.values is contiguous.keys and contiguous.nbytes == 8 * kv_bytes_per_token(v3, torch.float32)

@@ -11,6 +11,7 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.loader import LoadedModel, load_model
 from moe_serve.engine.models.blocks import MoEBlock, route
+from moe_serve.engine.models.variants import Router
 from tests.tiny_checkpoints import AllResidentRunner, build_tiny_checkpoint, tiny_hf_model
 
 
@@ -76,6 +77,25 @@ def test_route_normalises_only_when_the_family_does() -> None:
     torch.testing.assert_close(raw, probs[:, :2])
     _, normed, _ = route(logits, 2, normalize=True)
     torch.testing.assert_close(normed, raw / raw.sum())
+
+
+def test_grouped_routing_picks_only_inside_the_best_groups() -> None:
+    """DeepSeek-V2's group-limited greedy scores a group by its best expert; V3's by its best two
+    (with the correction bias), and the bias picks experts without weighing them."""
+    logits = torch.tensor([[3.0, -5.0, 2.9, 2.8, 1.0, 0.9, -4.0, -4.0]])  # groups of 2: (0 1) (2 3) (4 5) (6 7)
+    v2 = Router("softmax", groups=4, topk_groups=1, group_score="max", scaling=2.0)
+    ids, weights, probs = route(logits, 2, normalize=False, router=v2)
+    assert ids.tolist() == [[0, 1]]  # group (0 1) holds the best expert: expert 2 lies outside it
+    torch.testing.assert_close(weights, 2.0 * probs.gather(1, ids))
+    v3 = Router("sigmoid", groups=4, topk_groups=1, group_score="top2", correction_bias=True, scaling=2.5)
+    ids, weights, probs = route(logits, 2, normalize=True, router=v3)
+    assert ids.tolist() == [[2, 3]]  # by its best two, group (2 3) beats (0 1)
+    torch.testing.assert_close(probs, torch.sigmoid(logits))
+    torch.testing.assert_close(weights, 2.5 * probs[:, 2:4] / probs[:, 2:4].sum())
+    correction = torch.tensor([0.0, 0.0, 0.0, 0.0, 3.0, 3.0, 0.0, 0.0])
+    ids, biased, _ = route(logits, 2, normalize=True, router=v3, correction=correction)
+    assert ids.tolist() == [[4, 5]]
+    torch.testing.assert_close(biased, 2.5 * probs[:, 4:6] / probs[:, 4:6].sum())  # weighed without the bias
 
 
 def test_attention_hook_sees_each_layer_once_in_order_without_changing_logits(tmp_path: Path) -> None:
