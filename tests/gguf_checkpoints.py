@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+from gguf import GGML_QUANT_SIZES, ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 from safetensors.torch import save_file
 
 from moe_serve.engine.experts.formats import expert_format
 from tests.tiny_checkpoints import tiny_hf_model
 
 ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
-                 "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+                 "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 _LAYER = r"model\.layers\.(\d+)\."
 _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
@@ -38,6 +38,12 @@ _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (_LAYER + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
     (_LAYER + r"mlp\.shared_expert_gate\.weight", r"blk.\1.ffn_gate_inp_shexp.weight"),
     (_LAYER + r"mlp\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
+    # deepseek2: latent attention, shared experts, the routers' correction bias
+    (_LAYER + r"self_attn\.(q_a|q_b|kv_b)_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
+    (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.(weight|bias)", r"blk.\1.attn_kv_a_mqa.\2"),
+    (_LAYER + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
+    (_LAYER + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
+    (_LAYER + r"mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
 ]
 
 
@@ -75,16 +81,19 @@ def dequantized(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
 
 def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: str = "F32",
               types: dict[str, str] | None = None, tokenizer: dict[str, Any] | None = None,
-              **sizes: Any) -> tuple[Path, Path]:
+              split_kv_b: bool = True, **sizes: Any) -> tuple[Path, Path]:
     """Write dst/model.gguf and dst/reference/ from tiny_hf_model(family, **sizes); return both.
     Routed experts are written in expert_type, other matrices in weight_type where their rows are whole
     blocks of it (F32 otherwise, as are norms and biases); `types` sets single GGUF tensors' types.
-    `tokenizer`: tokenizer.ggml.* metadata to add."""
+    `tokenizer`: tokenizer.ggml.* metadata to add. `split_kv_b`: deepseek2's kv_b as llama.cpp's
+    converter writes it now (attn_k_b, attn_v_b), else as it did before (attn_kv_b)."""
     model = tiny_hf_model(family, **sizes)
     config, arch = model.config, ARCHITECTURES[family]
     dst.mkdir(parents=True, exist_ok=True)
     writer = GGUFWriter(str(dst / "model.gguf"), arch)
     _metadata(writer, config, arch)
+    if arch == "deepseek2":
+        _deepseek2_metadata(writer, config, split_kv_b)
     for key, value in (tokenizer or {}).items():
         getattr(writer, f"add_{key}")(value)
     reference: dict[str, torch.Tensor] = {}
@@ -105,6 +114,12 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
                                          for part, half in (("gate", gate), ("up", up))], dim=1)
         elif name.endswith("experts.down_proj"):
             reference[name] = add(f"blk.{layer[1]}.ffn_down_exps.weight", w, expert_type)
+        elif name.endswith("kv_b_proj.weight") and split_kv_b:  # per head: W_uk transposed, W_uv
+            heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+            w_uk, w_uv = w.reshape(heads, -1, w.shape[1]).split([nope, config.v_head_dim], dim=1)
+            add(f"blk.{layer[1]}.attn_k_b.weight", w_uk.transpose(1, 2).contiguous(), "F32")
+            add(f"blk.{layer[1]}.attn_v_b.weight", w_uv.contiguous(), "F32")
+            reference[name] = w
         else:
             target = gguf_name(name)
             block = GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]][0]
@@ -130,10 +145,11 @@ def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
     writer.add_block_count(config.num_hidden_layers)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    if arch != "deepseek2":  # its own (_deepseek2_metadata)
+        writer.add_head_count_kv(config.num_key_value_heads)
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
@@ -158,6 +174,39 @@ def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "olmoe" and config.clip_qkv is not None:
         writer.add_clamp_kqv(config.clip_qkv)
+
+
+def _deepseek2_metadata(writer: GGUFWriter, config: Any, split_kv_b: bool) -> None:
+    """The keys llama.cpp's converter writes for DeepSeek-V2/V3 beyond _metadata's (whose head
+    sizes it overrides: a latent attention's key is the latent and the roped part, its value the
+    latent, once kv_b is split)."""
+    rope_dim, rank = config.qk_rope_head_dim, config.kv_lora_rank
+    writer.add_head_count_kv(1)
+    writer.add_rope_dimension_count(rope_dim)
+    if split_kv_b:
+        writer.add_key_length(rank + rope_dim)
+        writer.add_value_length(rank)
+        writer.add_key_length_mla(config.qk_nope_head_dim + rope_dim)
+        writer.add_value_length_mla(config.v_head_dim)
+    else:
+        writer.add_key_length(config.qk_nope_head_dim + rope_dim)
+        writer.add_value_length(config.v_head_dim)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(rank)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    v3 = type(config).__name__ == "DeepseekV3Config"
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if v3 else ExpertGatingFuncType.SOFTMAX)
+    if (config.n_group or 1) > 1:
+        writer.add_expert_group_count(config.n_group)
+        writer.add_expert_group_used_count(config.topk_group)
+    rope = config.rope_parameters
+    if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _llama3_divisors(rope: dict[str, Any], head_dim: int) -> np.ndarray:

@@ -14,6 +14,12 @@ refused at start-up by name. Every other tensor is dequantized by the gguf packa
 GGUF's llama (and so Mixtral) q and k rows are not Hugging Face's: llama.cpp rotates adjacent
 pairs of a head's dims where transformers rotates its two halves, and its converter reorders the
 rows to match (row 2 i + h of a head <- row h * head_dim / 2 + i). They are put back on reading.
+
+deepseek2's latent attention has tensors of its own (attn_q_a, attn_kv_a_mqa, ...). Files from
+llama.cpp's converter since it split kv_b_proj hold each head's W_uk transposed as attn_k_b
+[heads, kv_lora_rank, nope] and W_uv as attn_v_b [heads, v, kv_lora_rank]; the two are read
+together back into kv_b's rows (per head: nope rows of W_uk, then v rows of W_uv). Older files hold
+attn_kv_b as it is.
 """
 from __future__ import annotations
 
@@ -50,43 +56,66 @@ EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5
                                                          IQ4_NL, IQ4_XS)}
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (config.py), no parameter of their own
+_V_B = ".attn_v_b.weight"  # read with its layer's attn_k_b (_kv_b), no target of its own
 
 
-def _rules() -> tuple[TensorRule, ...]:
+def _shared_rules() -> list[TensorRule]:
+    """Every architecture's: embedding, head, norms, router, MLPs (dense and shared) and experts."""
     rules = [
         TensorRule("token_embd.weight", "embed.weight"),
         TensorRule("output_norm.weight", "norm.weight"),
         TensorRule("output.weight", "lm_head.weight"),
         TensorRule("blk.{L}.attn_norm.weight", "layers.{L}.attn_norm.weight"),
         TensorRule("blk.{L}.ffn_norm.weight", "layers.{L}.mlp_norm.weight"),
-        TensorRule("blk.{L}.attn_q_norm.weight", "layers.{L}.attn.q_norm.weight"),
-        TensorRule("blk.{L}.attn_k_norm.weight", "layers.{L}.attn.k_norm.weight"),
         TensorRule("blk.{L}.ffn_gate_inp.weight", "layers.{L}.mlp.router.weight"),
         TensorRule("blk.{L}.ffn_gate_inp_shexp.weight", "layers.{L}.mlp.shared_gate.weight"),
     ]
     for kind in ("weight", "bias"):
-        rules += [TensorRule(f"blk.{{L}}.attn_{p}.{kind}", f"layers.{{L}}.attn.qkv.{kind}", p) for p in "qkv"]
         rules.append(TensorRule(f"blk.{{L}}.attn_output.{kind}", f"layers.{{L}}.attn.o.{kind}"))
-        for suffix, ours in (("", "mlp."), ("_shexp", "mlp.shared.")):  # dense MLP, Qwen2-MoE's shared expert
+        for suffix, ours in (("", "mlp."), ("_shexp", "mlp.shared.")):  # dense MLP, a shared expert
             rules += [TensorRule(f"blk.{{L}}.ffn_{p}{suffix}.{kind}", f"layers.{{L}}.{ours}gate_up.{kind}", p)
                       for p in ("gate", "up")]
             rules.append(TensorRule(f"blk.{{L}}.ffn_down{suffix}.{kind}", f"layers.{{L}}.{ours}down.{kind}"))
     rules += [TensorRule(f"blk.{{L}}.ffn_{p}_exps.weight", EXPERT_PREFIX + p) for p in ("gate", "up", "down")]
+    return rules
+
+
+def _rules() -> tuple[TensorRule, ...]:
+    rules = _shared_rules() + [
+        TensorRule("blk.{L}.attn_q_norm.weight", "layers.{L}.attn.q_norm.weight"),
+        TensorRule("blk.{L}.attn_k_norm.weight", "layers.{L}.attn.k_norm.weight"),
+    ]
+    for kind in ("weight", "bias"):
+        rules += [TensorRule(f"blk.{{L}}.attn_{p}.{kind}", f"layers.{{L}}.attn.qkv.{kind}", p) for p in "qkv"]
     return tuple(rules)
 
 
+def _latent_attention_rules() -> tuple[TensorRule, ...]:
+    """deepseek2's: its latent attention and the experts' correction bias."""
+    names = {"attn_q": "q", "attn_q_a": "q_a", "attn_q_b": "q_b", "attn_kv_a_mqa": "kv_a", "attn_kv_b": "kv_b",
+             "attn_k_b": "kv_b"}
+    return tuple(_shared_rules() + [TensorRule(f"blk.{{L}}.{gguf}.{kind}", f"layers.{{L}}.attn.{ours}.{kind}")
+                                    for gguf, ours in names.items() for kind in ("weight", "bias")] + [
+        TensorRule("blk.{L}.attn_q_a_norm.weight", "layers.{L}.attn.q_a_norm.weight"),
+        TensorRule("blk.{L}.attn_kv_a_norm.weight", "layers.{L}.attn.kv_a_norm.weight"),
+        TensorRule("blk.{L}.exp_probs_b.bias", "layers.{L}.mlp.router_bias"),
+    ])
+
+
 GGUF_RULES = _rules()
+LATENT_ATTENTION_RULES = _latent_attention_rules()
 
 
 class GgufCheckpoint:
     """A GGUF file as loader.Checkpoint: its config, names and tensors."""
     quant = None  # GGML types are per tensor: tensors() decodes them itself
-    rules = GGUF_RULES
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.file = GgufFile(path)
-        self._tensors = {name: t for name, t in self.file.tensors.items() if name not in _CONFIG_TENSORS}
+        self.rules = LATENT_ATTENTION_RULES if Metadata(self.file).architecture == "deepseek2" else GGUF_RULES
+        self._tensors = {name: t for name, t in self.file.tensors.items()
+                         if name not in _CONFIG_TENSORS and not name.endswith(_V_B)}
         experts = {name: t for name, t in self._tensors.items() if name.endswith("_exps.weight")}
         counts = _expert_types(list(experts.values()))
         expert_type = counts.most_common(1)[0][0] if counts else None  # the type of most expert weights
@@ -127,12 +156,27 @@ class GgufCheckpoint:
             raise LoadError(f"tensor {tensor.name!r} is {tensor.tensor_type.name}, which the gguf package cannot "
                             "dequantize") from None
         weights = torch.from_numpy(values if values.flags.writeable else values.copy()).float()
+        if tensor.name.endswith(".attn_k_b.weight"):
+            weights = self._kv_b(tensor.name, weights)
         if self._pairs_rotated and target.part in ("q", "k"):
             heads = self.config.num_heads if target.part == "q" else self.config.num_kv_heads
             weights = _halves_first(weights, heads)
         if target.ours.endswith(".shared_gate.weight"):  # [1, H], which llama.cpp's converter squeezes to [H]
             weights = weights.reshape(1, -1)
         return weights
+
+
+    def _kv_b(self, k_b_name: str, w_uk_t: torch.Tensor) -> torch.Tensor:
+        """kv_b's weight [heads * (nope + v), kv_lora_rank] from a layer's attn_k_b [heads, kv_lora_rank, nope]
+        and its attn_v_b [heads, v, kv_lora_rank]."""
+        v_name = k_b_name.removesuffix(".attn_k_b.weight") + _V_B
+        v_b = self.file.tensors.get(v_name)
+        if v_b is None:
+            raise LoadError(f"missing tensor {v_name!r}, which {k_b_name!r} needs")
+        w_uv = torch.from_numpy(np.array(quants.dequantize(v_b.data, v_b.tensor_type), dtype=np.float32))
+        heads = self.config.num_heads
+        w_uk = w_uk_t.reshape(heads, self.config.mla.kv_lora_rank, -1).transpose(1, 2)  # [heads, nope, C]
+        return torch.cat([w_uk, w_uv.reshape(heads, -1, self.config.mla.kv_lora_rank)], dim=1).flatten(0, 1)
 
 
 def _expert_types(experts: list[GgufTensor]) -> Counter[str]:

@@ -5,6 +5,12 @@ llama.cpp keeps a few settings only in the tensors, and they are read from there
 (no output.weight), attention and MLP biases, the dense layers of a Qwen-MoE (no ffn_gate_inp),
 and llama3 rope scaling (rope_freqs, one divisor per frequency, from which the llama3 parameters
 are recovered and checked to give the same frequencies). Mixtral is GGUF's llama with experts.
+
+deepseek2 holds DeepSeek-V2 and -V3 (and V2-Lite, Moonlight): V3 where its gating function is
+sigmoid. Its latent attention's sizes come from the attention.*_lora_rank keys and the head widths
+from key_length_mla / value_length_mla (files converted before llama.cpp split kv_b keep them in
+key_length / value_length); yarn's mscale and mscale_all_dim from rope.scaling.yarn_log_multiplier
+(the converter writes 0.1 x mscale_all_dim, and every published DeepSeek config has mscale equal to it).
 """
 from __future__ import annotations
 
@@ -19,11 +25,12 @@ from moe_serve.engine.models.rope import RopeConfig, rope_frequencies
 
 _DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MOE = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-        "olmoe": "OlmoeForCausalLM"}
+        "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
 ARCHITECTURES = tuple(sorted(set(_DENSE) | set(_MOE)))
 # whether llama.cpp renormalises the top-k routing weights of an architecture, when the file has no
 # expert_weights_norm key (it does for Mixtral and Qwen3-MoE, as their HF configs do)
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False}
+_SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 _REQUIRED = object()
 
 
@@ -68,7 +75,7 @@ def hf_config(file: GgufFile) -> dict[str, Any]:
         head_dim=head_dim,
         rms_norm_eps=meta.arch("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=meta.arch("context_length"),
-        rope_parameters=_rope(meta, tensors.get("rope_freqs.weight"), head_dim),
+        rope_parameters=_rope(meta, tensors.get("rope_freqs.weight"), _roped_dims(meta, head_dim)),
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id", None),
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id", None),
@@ -78,7 +85,43 @@ def hf_config(file: GgufFile) -> dict[str, Any]:
     )
     if experts:
         hf.update(_moe_fields(meta, tensors, experts))
+    if arch == "deepseek2":
+        hf.update(_deepseek2_fields(meta, tensors))
     return hf
+
+
+def _roped_dims(meta: Metadata, head_dim: int) -> int:
+    """The dims RoPE is computed over: a head's, or a latent attention's roped part (a head of its own)."""
+    return meta.arch("rope.dimension_count") if meta.architecture == "deepseek2" else head_dim
+
+
+def _deepseek2_fields(meta: Metadata, tensors: dict[str, GgufTensor]) -> dict[str, Any]:
+    rope_dim = meta.arch("rope.dimension_count")
+    split = meta.arch("attention.key_length_mla", None) is not None  # kv_b split into k_b and v_b
+    key, value = ("attention.key_length_mla", "attention.value_length_mla") if split else ("attention.key_length",
+                                                                                         "attention.value_length")
+    v3 = meta.arch("expert_gating_func", 1) == _SIGMOID_GATING
+    groups, used_groups = meta.arch("expert_group_count", 1), meta.arch("expert_group_used_count", 1)
+    fields = dict(
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        q_lora_rank=meta.arch("attention.q_lora_rank", None),
+        kv_lora_rank=meta.arch("attention.kv_lora_rank"),
+        qk_nope_head_dim=meta.arch(key) - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=meta.arch(value),
+        first_k_dense_replace=meta.arch("leading_dense_block_count", 0),
+        n_routed_experts=meta.arch("expert_count"),
+        n_shared_experts=meta.arch("expert_shared_count", 0),
+        routed_scaling_factor=meta.arch("expert_weights_scale", 1.0),
+        n_group=groups,
+        topk_group=used_groups,
+        topk_method="noaux_tc" if v3 else ("group_limited_greedy" if groups > 1 else "greedy"),
+        scoring_func="sigmoid" if v3 else "softmax",
+        attention_bias="blk.0.attn_kv_a_mqa.bias" in tensors,
+    )
+    if v3:
+        fields["rope_interleave"] = True  # llama.cpp rotates deepseek2's adjacent pairs, as transformers does
+    return fields
 
 
 def _moe_fields(meta: Metadata, tensors: dict[str, GgufTensor], experts: int) -> dict[str, Any]:
@@ -122,10 +165,14 @@ def _rope(meta: Metadata, freq_divisors: GgufTensor | None, head_dim: int) -> di
     if scaling == "linear":
         return {**params, "rope_type": "linear", "factor": meta.arch("rope.scaling.factor")}
     if scaling == "yarn":
-        return {**params, "rope_type": "yarn", "factor": meta.arch("rope.scaling.factor"),
-                "original_max_position_embeddings": meta.arch("rope.scaling.original_context_length"),
-                "beta_fast": meta.arch("rope.scaling.yarn_beta_fast", None),
-                "beta_slow": meta.arch("rope.scaling.yarn_beta_slow", None)}
+        params.update(rope_type="yarn", factor=meta.arch("rope.scaling.factor"),
+                      original_max_position_embeddings=meta.arch("rope.scaling.original_context_length"),
+                      beta_fast=meta.arch("rope.scaling.yarn_beta_fast", None),
+                      beta_slow=meta.arch("rope.scaling.yarn_beta_slow", None))
+        log_multiplier = meta.arch("rope.scaling.yarn_log_multiplier", None)
+        if log_multiplier:  # 0.1 x mscale_all_dim, as a float32: 6 digits are all it holds
+            params["mscale"] = params["mscale_all_dim"] = round(log_multiplier / 0.1, 6)
+        return params
     raise ValueError(f"GGUF rope scaling {scaling!r} is not supported; supported: none, linear, yarn, and llama3 "
                      "(rope_freqs)")
 

@@ -32,6 +32,12 @@ CASES = [
     ("qwen3_moe", "Q2_K", "Q8_0", BLOCKS_OF_256),
     ("qwen3_moe", "IQ4_XS", "Q8_0", BLOCKS_OF_256),  # non-linear levels
     ("olmoe", "Q6_K", "F16", dict(hidden_size=256, intermediate_size=256)),  # full q/k norm, clip_qkv
+    # latent attention (kv_b split into attn_k_b / attn_v_b, as llama.cpp writes it now), shared experts,
+    # a dense first layer, group-limited softmax routing
+    ("deepseek_v2", "Q8_0", "Q8_0", dict(moe_intermediate_size=32)),
+    # low-rank queries, yarn's mscale, sigmoid routing with exp_probs_b; and kv_b whole, as older files hold it
+    ("deepseek_v3", "Q4_K", "Q8_0", BLOCKS_OF_256),
+    ("deepseek_v3", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, split_kv_b=False)),
     ("llama", None, "Q8_0", LLAMA3),  # biases everywhere, tied embeddings, llama3 rope as rope_freqs
     ("qwen2", None, "Q8_0", dict(use_sliding_window=False)),  # linear rope (GGUF keeps no sliding window)
     ("qwen3", None, "F16", {}),  # yarn rope, head_dim != hidden / heads
@@ -52,7 +58,8 @@ def _pair(root: Path, family: str, expert_type: str | None, weight_type: str, si
     return gguf_pair(family, dst, expert_type=expert_type or "F32", weight_type=weight_type, **sizes, **kwargs)
 
 
-@pytest.mark.parametrize("family,expert_type,weight_type,sizes", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize("family,expert_type,weight_type,sizes", CASES,
+                         ids=[f"{c[0]}-{c[1]}" + ("-kv_b" if c[3].get("split_kv_b") is False else "") for c in CASES])
 def test_logits_equal_the_dequantized_reference(root: Path, family, expert_type, weight_type, sizes) -> None:
     gguf_file, reference_path = _pair(root, family, expert_type, weight_type, sizes)
     loaded, reference = load(gguf_file), load(reference_path)
