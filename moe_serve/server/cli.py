@@ -26,6 +26,7 @@ from moe_serve.engine.cli import add_engine_arguments, engine_config_from_args, 
 from moe_serve.engine.cli_flags import ENV_HELP, DefaultsHelpFormatter, env_argv
 from moe_serve.engine.cli_flags import positive_int as _positive_int
 from moe_serve.engine.config import ConfigError, EngineConfig
+from moe_serve.engine.gguf import is_gguf
 from moe_serve.engine.logging_config import adopt_transformers_logging
 from moe_serve.server.engine_client import EngineClient, EngineSupervisor, InFlightCounts, SharedEngine
 from moe_serve.server.reasoning import REASONING_PARSERS
@@ -293,7 +294,10 @@ def serve(settings: ServerSettings, engine_config: EngineConfig, listener: socke
     try:
         app = create_app(settings, engine_config, on_fatal=stop, shared=shared)
     except (OSError, ValueError) as exc:  # the tokenizer's files are there but transformers cannot read them
-        sys.exit(f"moe-serve: cannot load the tokenizer in {settings.tokenizer or engine_config.model}: {exc}")
+        hint = ("; give the checkpoint's tokenizer folder as --tokenizer DIR" if settings.tokenizer is None
+                and is_gguf(engine_config.model) else "")  # transformers reads no olmoe or deepseek2 GGUF tokenizer
+        sys.exit(f"moe-serve: cannot load the tokenizer in {settings.tokenizer or engine_config.model}: "
+                 f"{str(exc).rstrip('.')}{hint}")
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=engine_config.logging.level,
                             log_config=engine_config.logging.dict_config(),
                             timeout_graceful_shutdown=settings.graceful_shutdown_seconds,

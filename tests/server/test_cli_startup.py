@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.cli_runs import REPO, assert_one_line_failure, model_without_tokenizer, run_cli, unsupported_model
+from tests.gguf_checkpoints import gguf_pair
 
 PRESET = REPO / "moe_serve" / "configs" / "qwen3-30b-a3b-16gb.yaml"
 
@@ -34,6 +35,15 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 def test_no_tokenizer_files(tmp_path: Path) -> None:
     result = run_cli("moe-serve", str(model_without_tokenizer(tmp_path / "bare")))
     assert_one_line_failure(result, "moe-serve", "no tokenizer files", "--tokenizer")
+
+
+def test_a_gguf_tokenizer_transformers_cannot_build_asks_for_the_tokenizer_folder(tmp_path: Path) -> None:
+    gguf_file, _ = gguf_pair("deepseek_v2", tmp_path, moe_intermediate_size=32)  # transformers reads no deepseek2
+    result = run_cli("moe-serve", str(gguf_file), "--port", "0", env={"MOE_SERVE_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("moe-serve: cannot load the tokenizer in") and "deepseek2" in last, last
+    assert last.endswith("give the checkpoint's tokenizer folder as --tokenizer DIR"), last
 
 
 def test_port_in_use_is_found_before_loading() -> None:
