@@ -6,7 +6,7 @@
     loaded = load_model(path, runner_factory=AllResidentRunner.factory, progress=False)
 
 Each family exercises some quirk (GQA, tied embeddings, biases, qk-norm, shared experts, sparse
-step / mlp_only_layers, sliding windows, scaled rope, latent attention, grouped routing). Weights
+step / mlp_only_layers, sliding windows, scaled rope, partial rotation, latent attention, grouped routing). Weights
 are perturbed so that every norm and bias matters, and routers are scaled so routing probabilities
 are far from uniform (top-k is then stable under float noise). The same (family, seed) always gives the same weights.
 """
@@ -24,7 +24,7 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.store import ExpertStore
 from moe_serve.engine.models.config import ModelConfig
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _BASE: dict[str, Any] = dict(
@@ -86,6 +86,13 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         attention_bias=True,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                              mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0),
+    )),
+    # half of each head's dims rotated, q/k norm, attention biases; V3's routing in 2 groups, 1 shared expert
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
+        use_qk_norm=True, attention_bias=True,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
     )),
 }
 

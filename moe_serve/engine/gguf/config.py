@@ -154,8 +154,9 @@ def _rows(tensor: GgufTensor) -> int:
 def _rope(meta: Metadata, freq_divisors: GgufTensor | None, head_dim: int) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_theta": float(meta.arch("rope.freq_base", 10000.0))}
     rotated = meta.arch("rope.dimension_count", head_dim)
-    if rotated != head_dim:  # RopeConfig refuses it by name
-        params["partial_rotary_factor"] = rotated / head_dim
+    if rotated != head_dim:  # llama.cpp's row order of a partly rotated head is not read here
+        raise ValueError(f"GGUF rope.dimension_count {rotated} < the head's {head_dim} (a partial rotation) is "
+                         "not supported")
     scaling = meta.arch("rope.scaling.type", "none")
     if freq_divisors is not None:
         return {**params, **_llama3_rope(np.asarray(freq_divisors.data, dtype=np.float64), params["rope_theta"],

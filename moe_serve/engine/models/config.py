@@ -111,8 +111,9 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """The dims of a head that RoPE rotates: a latent attention's roped part, else the whole head."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        """The dims of a head that RoPE rotates: a latent attention's roped part, else the head's
+        first partial_rotary_factor of them."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
     def values_are_keys(self) -> bool:

@@ -18,13 +18,10 @@ from typing import Any
 from moe_serve.engine.models.family import (
     DENSE_MLP_RULES,
     MODEL_RULES,
-    QWEN_EXPERT_NAMES,
     Family,
     TensorRule,
-    expert_rules,
     layer_name,
-    router_rule,
-    swiglu_rules,
+    shared_experts_moe_rules,
 )
 from moe_serve.engine.models.rope import RopeConfig, yarn_mscale
 from moe_serve.engine.models.variants import LatentAttention, Router
@@ -57,7 +54,7 @@ def _router(hf: dict[str, Any], v3: bool) -> Router:
         if (method, scoring) != ("noaux_tc", "sigmoid"):
             raise ValueError(f"DeepSeek-V3 routing topk_method={method!r} scoring_func={scoring!r} is not supported "
                              f"(noaux_tc over sigmoid is)")
-        return Router("sigmoid", hf.get("n_group") or 1, hf.get("topk_group") or 1, "top2", True, scale)
+        return sigmoid_router(hf)
     if scoring != "softmax" or hf.get("norm_topk_prob"):
         raise ValueError(f"DeepSeek-V2 routing with scoring_func={scoring!r}, norm_topk_prob="
                          f"{hf.get('norm_topk_prob')!r} is not supported (softmax without renormalising is)")
@@ -68,7 +65,15 @@ def _router(hf: dict[str, Any], v3: bool) -> Router:
     raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported (greedy, group_limited_greedy are)")
 
 
-def _moe_layers(hf: dict[str, Any]) -> tuple[int, ...]:
+def sigmoid_router(hf: dict[str, Any]) -> Router:
+    """DeepSeek-V3's routing (GLM-4.5's too): sigmoid scores, picked with the correction bias among
+    the topk_group best of n_group groups by their best two, the weights scaled."""
+    return Router("sigmoid", hf.get("n_group") or 1, hf.get("topk_group") or 1, "top2", True,
+                  float(hf.get("routed_scaling_factor") or 1.0))
+
+
+def moe_layers_after_dense(hf: dict[str, Any]) -> tuple[int, ...]:
+    """The layers from first_k_dense_replace on (every moe_layer_freq-th): the first ones are dense."""
     first, every = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
     return tuple(i for i in range(hf["num_hidden_layers"]) if i >= first and i % every == 0)
 
@@ -85,7 +90,7 @@ def _fields(hf: dict[str, Any], v3: bool) -> dict[str, Any]:
         shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared,
         shared_expert_gated=False,
         router=_router(hf, v3),
-        moe_layers=_moe_layers(hf),
+        moe_layers=moe_layers_after_dense(hf),
         unrun_layers=int(hf.get("num_nextn_predict_layers") or 0) if v3 else 0,
     )
 
@@ -100,10 +105,7 @@ def _attention_rules() -> tuple[TensorRule, ...]:
     )
 
 
-_RULES = (MODEL_RULES + _attention_rules() + DENSE_MLP_RULES + (router_rule("mlp."),)
-          + (TensorRule(layer_name("mlp.gate.e_score_correction_bias"), "layers.{L}.mlp.router_bias"),)
-          + swiglu_rules(layer_name("mlp.shared_experts."), "layers.{L}.mlp.shared.", QWEN_EXPERT_NAMES)
-          + expert_rules("mlp.", QWEN_EXPERT_NAMES))
+_RULES = MODEL_RULES + _attention_rules() + DENSE_MLP_RULES + shared_experts_moe_rules()
 
 DEEPSEEK_V2 = Family("deepseek_v2", ("DeepseekV2ForCausalLM",), lambda hf: _fields(hf, v3=False), _RULES)
 DEEPSEEK_V3 = Family("deepseek_v3", ("DeepseekV3ForCausalLM",), lambda hf: _fields(hf, v3=True), _RULES)

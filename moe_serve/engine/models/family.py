@@ -97,6 +97,14 @@ def router_rule(moe_prefix: str) -> TensorRule:
     return TensorRule(layer_name(moe_prefix + "gate.weight"), "layers.{L}.mlp.router.weight")
 
 
+def shared_experts_moe_rules() -> tuple[TensorRule, ...]:
+    """DeepSeek-style MoE layers (GLM-4.5's too): the router and its correction bias, shared experts
+    (added ungated), routed experts, under mlp."""
+    return ((router_rule("mlp."), TensorRule(layer_name("mlp.gate.e_score_correction_bias"), "layers.{L}.mlp.router_bias"))
+            + swiglu_rules(layer_name("mlp.shared_experts."), "layers.{L}.mlp.shared.", QWEN_EXPERT_NAMES)
+            + expert_rules("mlp.", QWEN_EXPERT_NAMES))
+
+
 ATTENTION_RULES = _attention_rules()
 DENSE_MLP_RULES = swiglu_rules(layer_name("mlp."), "layers.{L}.mlp.", ("gate_proj", "up_proj", "down_proj"))
 QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")

@@ -30,6 +30,11 @@ class RopeConfig:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn
+    partial_rotary_factor: float = 1.0  # the share of a head's dims rotated: its first ones (GLM-4.5: half)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must be in (0, 1]")
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
@@ -37,8 +42,6 @@ class RopeConfig:
         params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         if any(isinstance(v, dict) for v in params.values()):
             raise ValueError("per-layer-type rope_parameters are not supported")
-        if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
@@ -61,6 +64,7 @@ class RopeConfig:
             mscale=params.get("mscale"),
             mscale_all_dim=params.get("mscale_all_dim"),
             truncate=bool(params.get("truncate", True)),
+            partial_rotary_factor=float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))),
         )
 
     @property
@@ -175,7 +179,11 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, n, D] by cos/sin [T, 1, D] (the HF "rotate half" convention)."""
+    """Rotate x [T, n, D] by cos/sin [T, 1, R] (the HF "rotate half" convention): its first R dims,
+    the others passing as they are (a partial rotation, R < D)."""
+    if cos.shape[-1] < x.shape[-1]:
+        rotary = cos.shape[-1]
+        return torch.cat([apply_rotary(x[..., :rotary], cos, sin), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, n, D]
     return x * cos + rotated * sin

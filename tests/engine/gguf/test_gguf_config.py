@@ -69,3 +69,9 @@ def test_an_unsupported_rope_scaling_is_refused_by_name(tmp_path: Path) -> None:
     gguf_file = _metadata_only(tmp_path / "model.gguf", "qwen2", **{"rope.scaling.type": "longrope"})
     with pytest.raises(ValueError, match="GGUF rope scaling 'longrope' is not supported; supported: none, linear"):
         read_config(gguf_file)
+
+
+def test_a_partial_rotation_is_refused_by_name(tmp_path: Path) -> None:
+    gguf_file = _metadata_only(tmp_path / "model.gguf", "qwen2", **{"rope.dimension_count": 8})
+    with pytest.raises(ValueError, match="GGUF rope.dimension_count 8 < the head's 16 .* not supported"):
+        read_config(gguf_file)

@@ -102,3 +102,13 @@ def test_latent_attention_cache_holds_one_row_a_token_and_layer() -> None:
     assert paged.values is paged.keys and paged.nbytes == 4 * 8 * kv_bytes_per_token(v3, torch.float32)
     contiguous = KVCache.for_model(v3, 8, device="cpu", dtype=torch.float32)
     assert contiguous.values is contiguous.keys and contiguous.nbytes == 8 * kv_bytes_per_token(v3, torch.float32)
+
+
+def test_glm4_moe_rotates_half_of_each_head_and_routes_as_deepseek_v3() -> None:
+    config = _config("glm4_moe")
+    assert config.head_dim == 16 and config.rope.partial_rotary_factor == 0.5 and config.rope_dim == 8
+    assert config.router == Router("sigmoid", 2, 1, "top2", True, 1.8) and config.norm_topk_prob
+    assert config.moe_layers == (1, 2) and config.unrun_layers == 1  # its MTP layer
+    assert config.qk_norm == "per_head" and config.qkv_bias and not config.o_bias
+    assert config.shared_expert_intermediate_size == 16 and not config.shared_expert_gated
+    assert not config.values_are_keys

@@ -43,7 +43,7 @@ def test_legacy_rope_theta_and_rope_scaling_are_read() -> None:
     assert RopeConfig.from_hf({}).rope_type == "default"
 
 
-@pytest.mark.parametrize("params", [{"rope_type": "longrope"}, {"rope_type": "default", "partial_rotary_factor": 0.5}])
+@pytest.mark.parametrize("params", [{"rope_type": "longrope"}, {"rope_type": "default", "partial_rotary_factor": 1.5}])
 def test_unsupported_rope_is_refused(params: dict) -> None:
     with pytest.raises(ValueError):
         RopeConfig.from_hf({"rope_parameters": params})
@@ -61,3 +61,13 @@ def test_rotation_preserves_norm_and_relative_position() -> None:
     cos, sin = rotary.cos_sin(7, 1, torch.float32)
     torch.testing.assert_close(apply_rotary(q, cos, sin).norm(), q.norm())
     torch.testing.assert_close(score(10, 3), score(20, 13), atol=1e-4, rtol=0)
+
+
+def test_a_partial_rotation_turns_the_first_dims_and_passes_the_rest() -> None:
+    """GLM-4.5 rotates the first half of each head's dims (partial_rotary_factor 0.5)."""
+    rotary = RotaryEmbedding(RopeConfig(partial_rotary_factor=0.5), HEAD_DIM // 2)
+    x = torch.randn(3, 2, HEAD_DIM)  # [T, n, D]
+    cos, sin = rotary.cos_sin(5, 3, torch.float32)  # [T, 1, D / 2]
+    got = apply_rotary(x, cos, sin)
+    torch.testing.assert_close(got[..., : HEAD_DIM // 2], apply_rotary(x[..., : HEAD_DIM // 2], cos, sin))
+    assert torch.equal(got[..., HEAD_DIM // 2:], x[..., HEAD_DIM // 2:])
