@@ -35,7 +35,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moe_serve.engine.models.blocks import CausalLM, MoEBlock
+from moe_serve.engine.models.blocks import CausalLM, MoEBlock, choose_experts, expert_scores
+from moe_serve.engine.models.variants import Router
 from moe_serve.engine.speculative.stats import SpecStats
 
 
@@ -55,14 +56,19 @@ class StackedRouters:
         picked = [layers[m] for m in moe_layers]
         self.eps = target.config.rms_norm_eps
         self.top_k = target.config.top_k
+        self.router = target.config.router
         self.norm_weight = torch.stack([layer.mlp_norm.weight.detach() for layer in picked])  # [M, H]
         self.router_weight = torch.stack([layer.mlp.router.weight.detach() for layer in picked])  # [M, E, H]
+        self.correction = (torch.stack([layer.mlp.router_bias.detach() for layer in picked])
+                           if self.router.correction_bias else None)  # [M, E]
 
     def top_experts(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H], row i for layer i -> each layer's top-k experts [M, k] (softmax keeps the order)."""
+        """hidden [M, H], row i for layer i -> each layer's top-k experts [M, k], chosen as its MoE block does."""
         x = F.rms_norm(hidden, hidden.shape[-1:], eps=self.eps) * self.norm_weight  # [M, H]
         logits = torch.bmm(self.router_weight, x.unsqueeze(-1)).squeeze(-1)  # [M, E]
-        return logits.topk(self.top_k, dim=-1).indices  # [M, k]
+        if self.router == Router():  # softmax keeps the logits' order: spare its launches
+            return logits.topk(self.top_k, dim=-1).indices  # [M, k]
+        return choose_experts(expert_scores(logits, self.router), self.top_k, self.router, self.correction)
 
 
 class CrossModelPredictor:
