@@ -23,7 +23,8 @@ from moe_serve.engine.experts.formats import expert_format
 from tests.tiny_checkpoints import tiny_hf_model
 
 ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
-                 "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+                 "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+                 "glm4_moe": "glm4moe"}
 _LAYER = r"model\.layers\.(\d+)\."
 _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
@@ -47,10 +48,13 @@ _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
 ]
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str) -> str:
     for pattern, replacement in _NAMES:
         if re.fullmatch(pattern, name):
-            return re.sub(pattern, replacement, name)
+            renamed = re.sub(pattern, replacement, name)
+            if arch == "glm4moe":  # its post-attention norm keeps that name
+                renamed = renamed.replace(".ffn_norm.", ".post_attention_norm.")
+            return renamed
     raise KeyError(name)
 
 
@@ -97,10 +101,11 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
     for key, value in (tokenizer or {}).items():
         getattr(writer, f"add_{key}")(value)
     reference: dict[str, torch.Tensor] = {}
+    in_file: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}  # GGUF name -> what was written
 
     def add(name: str, w: torch.Tensor, type_name: str) -> torch.Tensor:
         """Write w in its type; return the weights the file holds, as the gguf package dequantizes them."""
-        data, qtype = encoded(w, (types or {}).get(name, type_name))
+        data, qtype = in_file[name] = encoded(w, (types or {}).get(name, type_name))
         writer.add_tensor(name, data, raw_dtype=qtype)
         return dequantized(data, qtype).reshape(w.shape)
 
@@ -121,7 +126,7 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
             add(f"blk.{layer[1]}.attn_v_b.weight", w_uv.contiguous(), "F32")
             reference[name] = w
         else:
-            target = gguf_name(name)
+            target = gguf_name(name, arch)
             block = GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]][0]
             type_name = weight_type if w.dim() == 2 and w.shape[1] % block == 0 else "F32"
             written = w.squeeze(0) if target.endswith("ffn_gate_inp_shexp.weight") else w  # the converter squeezes it
@@ -131,6 +136,8 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
             add(target, written, type_name)
             # rows are quantized apart, so the reference is the same rows in Hugging Face's order
             reference[name] = dequantized(*encoded(w, (types or {}).get(target, type_name))).reshape(w.shape)
+    if arch == "glm4moe":
+        _add_nextn_layers(writer, in_file, config)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -138,18 +145,37 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
     return dst / "model.gguf", _save_reference(model, reference, dst / "reference")
 
 
+def _add_nextn_layers(writer: GGUFWriter, in_file: dict[str, tuple[np.ndarray, GGMLQuantizationType]],
+                      config: Any) -> None:
+    """GLM-4.5's multi-token-prediction layers as llama.cpp writes them, counted in block_count after
+    the decoder layers: a decoder layer's tensors (the last one's, again) and the nextn.* ones."""
+    gen = torch.Generator().manual_seed(7)
+    last = f"blk.{config.num_hidden_layers - 1}."
+    for i in range(config.num_nextn_predict_layers):
+        layer = config.num_hidden_layers + i
+        for name, (data, qtype) in list(in_file.items()):
+            if name.startswith(last):
+                writer.add_tensor(f"blk.{layer}." + name.removeprefix(last), data, raw_dtype=qtype)
+        hidden = config.hidden_size
+        for name, shape in (("eh_proj", (hidden, 2 * hidden)), ("enorm", (hidden,)), ("hnorm", (hidden,)),
+                            ("shared_head_norm", (hidden,))):
+            writer.add_tensor(f"blk.{layer}.nextn.{name}.weight", torch.randn(shape, generator=gen).numpy())
+
+
 def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
+    writer.add_block_count(config.num_hidden_layers + (config.num_nextn_predict_layers if arch == "glm4moe" else 0))
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     if arch != "deepseek2":  # its own (_deepseek2_metadata)
         writer.add_head_count_kv(config.num_key_value_heads)
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
+    if arch == "glm4moe":
+        _glm4moe_metadata(writer, config)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
@@ -207,6 +233,18 @@ def _deepseek2_metadata(writer: GGUFWriter, config: Any, split_kv_b: bool) -> No
     rope = config.rope_parameters
     if rope["rope_type"] == "yarn" and rope.get("mscale_all_dim"):
         writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _glm4moe_metadata(writer: GGUFWriter, config: Any) -> None:
+    """The keys llama.cpp's converter writes for GLM-4.5 beyond _metadata's (no expert groups: its
+    checkpoints have one)."""
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    writer.add_expert_weights_norm(config.norm_topk_prob)
+    writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
 
 
 def _llama3_divisors(rope: dict[str, Any], head_dim: int) -> np.ndarray:

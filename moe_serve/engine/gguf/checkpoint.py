@@ -37,7 +37,7 @@ from moe_serve.engine.experts.formats.iq4 import IQ4_NL, IQ4_XS
 from moe_serve.engine.experts.formats.k_quants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from moe_serve.engine.experts.formats.legacy_quants import Q4_0, Q4_1, Q5_0, Q5_1
 from moe_serve.engine.experts.formats.q8_0 import Q8_0
-from moe_serve.engine.gguf.config import Metadata, hf_config
+from moe_serve.engine.gguf.config import Metadata, hf_config, run_layers
 from moe_serve.engine.gguf.reader import GgufFile, GgufTensor
 from moe_serve.engine.loader import (
     EncodedWeight,
@@ -69,6 +69,7 @@ def _shared_rules() -> list[TensorRule]:
         TensorRule("blk.{L}.ffn_norm.weight", "layers.{L}.mlp_norm.weight"),
         TensorRule("blk.{L}.ffn_gate_inp.weight", "layers.{L}.mlp.router.weight"),
         TensorRule("blk.{L}.ffn_gate_inp_shexp.weight", "layers.{L}.mlp.shared_gate.weight"),
+        TensorRule("blk.{L}.exp_probs_b.bias", "layers.{L}.mlp.router_bias"),
     ]
     for kind in ("weight", "bias"):
         rules.append(TensorRule(f"blk.{{L}}.attn_output.{kind}", f"layers.{{L}}.attn.o.{kind}"))
@@ -84,6 +85,7 @@ def _rules() -> tuple[TensorRule, ...]:
     rules = _shared_rules() + [
         TensorRule("blk.{L}.attn_q_norm.weight", "layers.{L}.attn.q_norm.weight"),
         TensorRule("blk.{L}.attn_k_norm.weight", "layers.{L}.attn.k_norm.weight"),
+        TensorRule("blk.{L}.post_attention_norm.weight", "layers.{L}.mlp_norm.weight"),  # glm4moe's ffn_norm
     ]
     for kind in ("weight", "bias"):
         rules += [TensorRule(f"blk.{{L}}.attn_{p}.{kind}", f"layers.{{L}}.attn.qkv.{kind}", p) for p in "qkv"]
@@ -98,7 +100,6 @@ def _latent_attention_rules() -> tuple[TensorRule, ...]:
                                     for gguf, ours in names.items() for kind in ("weight", "bias")] + [
         TensorRule("blk.{L}.attn_q_a_norm.weight", "layers.{L}.attn.q_a_norm.weight"),
         TensorRule("blk.{L}.attn_kv_a_norm.weight", "layers.{L}.attn.kv_a_norm.weight"),
-        TensorRule("blk.{L}.exp_probs_b.bias", "layers.{L}.mlp.router_bias"),
     ])
 
 
@@ -113,9 +114,11 @@ class GgufCheckpoint:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.file = GgufFile(path)
-        self.rules = LATENT_ATTENTION_RULES if Metadata(self.file).architecture == "deepseek2" else GGUF_RULES
+        meta = Metadata(self.file)
+        self.rules = LATENT_ATTENTION_RULES if meta.architecture == "deepseek2" else GGUF_RULES
+        run = run_layers(meta)  # the multi-token-prediction layers after them are not loaded
         self._tensors = {name: t for name, t in self.file.tensors.items()
-                         if name not in _CONFIG_TENSORS and not name.endswith(_V_B)}
+                         if name not in _CONFIG_TENSORS and not name.endswith(_V_B) and _layer(name) < run}
         experts = {name: t for name, t in self._tensors.items() if name.endswith("_exps.weight")}
         counts = _expert_types(list(experts.values()))
         expert_type = counts.most_common(1)[0][0] if counts else None  # the type of most expert weights
@@ -190,6 +193,11 @@ def _expert_types(experts: list[GgufTensor]) -> Counter[str]:
                              f"{', '.join([*EXPERT_BLOCK_FORMATS, *_FLOAT_TYPES])}")
         counts[name] += tensor.n_elements
     return counts
+
+
+def _layer(name: str) -> int:
+    """The decoder layer of a tensor named blk.L...., -1 for those of no layer (embedding, head)."""
+    return int(name.split(".")[1]) if name.startswith("blk.") else -1
 
 
 def _expert_key(name: str) -> tuple[int, str]:

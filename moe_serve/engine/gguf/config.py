@@ -11,6 +11,11 @@ sigmoid. Its latent attention's sizes come from the attention.*_lora_rank keys a
 from key_length_mla / value_length_mla (files converted before llama.cpp split kv_b keep them in
 key_length / value_length); yarn's mscale and mscale_all_dim from rope.scaling.yarn_log_multiplier
 (the converter writes 0.1 x mscale_all_dim, and every published DeepSeek config has mscale equal to it).
+
+glm4moe (GLM-4.5, GLM-4.5-Air) counts its multi-token-prediction layers (nextn_predict_layers, the
+last ones) in block_count: they are not run, so the model has block_count - nextn_predict_layers
+layers and the checkpoint skips their tensors. It rotates the first rope.dimension_count dims of a
+head in halves, as transformers does, so its partial rotation reads as it is.
 """
 from __future__ import annotations
 
@@ -25,11 +30,13 @@ from moe_serve.engine.models.rope import RopeConfig, rope_frequencies
 
 _DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MOE = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-        "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM"}
+        "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
 ARCHITECTURES = tuple(sorted(set(_DENSE) | set(_MOE)))
 # whether llama.cpp renormalises the top-k routing weights of an architecture, when the file has no
 # expert_weights_norm key (it does for Mixtral and Qwen3-MoE, as their HF configs do)
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "glm4moe": True}
+# architectures whose partial rotation turns a head's first dims in halves, as transformers does
+_PARTIAL_ROTATION = ("glm4moe",)
 _SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 _REQUIRED = object()
 
@@ -69,7 +76,7 @@ def hf_config(file: GgufFile) -> dict[str, Any]:
         architectures=[table[arch]],
         vocab_size=meta.arch("vocab_size", None) or _rows(tensors["token_embd.weight"]),
         hidden_size=hidden,
-        num_hidden_layers=meta.arch("block_count"),
+        num_hidden_layers=run_layers(meta),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
@@ -87,7 +94,26 @@ def hf_config(file: GgufFile) -> dict[str, Any]:
         hf.update(_moe_fields(meta, tensors, experts))
     if arch == "deepseek2":
         hf.update(_deepseek2_fields(meta, tensors))
+    if arch == "glm4moe":
+        hf.update(_glm4moe_fields(meta, tensors))
     return hf
+
+
+def run_layers(meta: Metadata) -> int:
+    """The decoder layers run: block_count, less the multi-token-prediction layers counted in it."""
+    return meta.arch("block_count") - meta.arch("nextn_predict_layers", 0)
+
+
+def _glm4moe_fields(meta: Metadata, tensors: dict[str, GgufTensor]) -> dict[str, Any]:
+    return dict(
+        n_routed_experts=meta.arch("expert_count"),
+        n_shared_experts=meta.arch("expert_shared_count", 0),
+        first_k_dense_replace=meta.arch("leading_dense_block_count", 0),
+        routed_scaling_factor=meta.arch("expert_weights_scale", 1.0),
+        n_group=meta.arch("expert_group_count", 1),
+        topk_group=meta.arch("expert_group_used_count", 1),
+        use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
 
 
 def _roped_dims(meta: Metadata, head_dim: int) -> int:
@@ -125,7 +151,7 @@ def _deepseek2_fields(meta: Metadata, tensors: dict[str, GgufTensor]) -> dict[st
 
 
 def _moe_fields(meta: Metadata, tensors: dict[str, GgufTensor], experts: int) -> dict[str, Any]:
-    layers = range(meta.arch("block_count"))
+    layers = range(run_layers(meta))
     moe_layers = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" in tensors]
     if not moe_layers:
         raise ValueError(f"GGUF metadata says {experts} experts, but no layer has an ffn_gate_inp tensor")
@@ -154,7 +180,9 @@ def _rows(tensor: GgufTensor) -> int:
 def _rope(meta: Metadata, freq_divisors: GgufTensor | None, head_dim: int) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_theta": float(meta.arch("rope.freq_base", 10000.0))}
     rotated = meta.arch("rope.dimension_count", head_dim)
-    if rotated != head_dim:  # llama.cpp's row order of a partly rotated head is not read here
+    if rotated != head_dim and meta.architecture in _PARTIAL_ROTATION:
+        params["partial_rotary_factor"] = rotated / head_dim
+    elif rotated != head_dim:  # llama.cpp's row order of a partly rotated head is not read here
         raise ValueError(f"GGUF rope.dimension_count {rotated} < the head's {head_dim} (a partial rotation) is "
                          "not supported")
     scaling = meta.arch("rope.scaling.type", "none")

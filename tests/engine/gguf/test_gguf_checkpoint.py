@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -14,8 +15,9 @@ from gguf import GGUFReader
 from moe_serve.engine.config import ConfigError
 from moe_serve.engine.loader import read_config
 from moe_serve.engine.preflight import check_model_dir
-from tests.gguf_checkpoints import gguf_pair, llama_cpp_row_order
+from tests.gguf_checkpoints import ARCHITECTURES, gguf_name, gguf_pair, llama_cpp_row_order
 from tests.quantized_checkpoints import assert_same_model, load, logits
+from tests.tiny_checkpoints import tiny_hf_model
 
 BLOCKS_OF_256 = dict(hidden_size=256, moe_intermediate_size=256)
 LLAMA3 = dict(max_position_embeddings=2048, rope_parameters=dict(
@@ -38,6 +40,8 @@ CASES = [
     # low-rank queries, yarn's mscale, sigmoid routing with exp_probs_b; and kv_b whole, as older files hold it
     ("deepseek_v3", "Q4_K", "Q8_0", BLOCKS_OF_256),
     ("deepseek_v3", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, split_kv_b=False)),
+    # a partial rotation, q/k norm, post_attention_norm, and an MTP layer counted in block_count (skipped)
+    ("glm4_moe", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, n_group=1, topk_group=1)),
     ("llama", None, "Q8_0", LLAMA3),  # biases everywhere, tied embeddings, llama3 rope as rope_freqs
     ("qwen2", None, "Q8_0", dict(use_sliding_window=False)),  # linear rope (GGUF keeps no sliding window)
     ("qwen3", None, "F16", {}),  # yarn rope, head_dim != hidden / heads
@@ -172,3 +176,23 @@ def test_the_written_llama_row_order_is_the_one_llama_cpp_rotates_in_pairs() -> 
     even, odd = (llama_cpp_row_order(w, heads) @ x).view(heads, dim // 2, 2).unbind(-1)
     pairs = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=1)  # [heads, 2, D/2]
     torch.testing.assert_close(pairs.reshape(heads, dim), rotate_half)
+
+
+# the tiny Qwen-MoE models have dense layers, which llama.cpp's qwen2moe and qwen3moe tensor lists lack
+@pytest.mark.parametrize("family", sorted(set(ARCHITECTURES) - {"qwen2_moe", "qwen3_moe"}))
+def test_the_test_files_tensor_names_are_llama_cpps(family: str) -> None:
+    """The names these files are written with (tests/gguf_checkpoints.py) are those llama.cpp's converter
+    gives each Hugging Face tensor: the gguf package's own map of its architecture."""
+    arch = ARCHITECTURES[family]
+    model = tiny_hf_model(family)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     model.config.num_hidden_layers)
+    checked = 0
+    for name in model.state_dict():
+        if "experts." in name and "shared" not in name or name.endswith("kv_b_proj.weight"):
+            continue  # stacked or split by the writer itself
+        # the converter's own renaming before it maps (DeepSeek-V3, GLM-4.5)
+        hf = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        assert gguf_name(name, arch) == names.get_name(hf, try_suffixes=(".weight", ".bias")), name
+        checked += 1
+    assert checked > 10
