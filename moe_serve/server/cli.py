@@ -294,8 +294,9 @@ def serve(settings: ServerSettings, engine_config: EngineConfig, listener: socke
     try:
         app = create_app(settings, engine_config, on_fatal=stop, shared=shared)
     except (OSError, ValueError) as exc:  # the tokenizer's files are there but transformers cannot read them
+        # transformers builds no tokenizer of an olmoe, deepseek2 or glm4moe GGUF
         hint = ("; give the checkpoint's tokenizer folder as --tokenizer DIR" if settings.tokenizer is None
-                and is_gguf(engine_config.model) else "")  # transformers reads no olmoe, deepseek2, glm4moe GGUF tokenizer
+                and is_gguf(engine_config.model) else "")
         sys.exit(f"moe-serve: cannot load the tokenizer in {settings.tokenizer or engine_config.model}: "
                  f"{str(exc).rstrip('.')}{hint}")
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=engine_config.logging.level,
