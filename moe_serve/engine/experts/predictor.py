@@ -17,14 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from moe_serve.engine.experts.routing import Router, chosen_scores, expert_scores
 from moe_serve.engine.experts.stats import ExpertStats
 
 
-def token_topk(x: torch.Tensor, router_weight: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's guess of a later layer's routing: top-k of softmax(x @ W^T) as (probs, ids)."""
-    probs = F.linear(x, router_weight).float().softmax(dim=-1)  # [T, E]
-    top = probs.topk(k, dim=-1)
-    return top.values, top.indices  # [T, k] each
+def token_topk(x: torch.Tensor, router_weight: torch.Tensor, k: int, router: Router = Router(),
+               correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's guess of a later layer's routing, chosen from x @ W^T as that layer's router
+    chooses (softmax top-k, or the family's Router with its correction bias) as (scores, ids)."""
+    return chosen_scores(expert_scores(F.linear(x, router_weight), router), k, router, correction)  # [T, k] each
 
 
 def rank_by_impact(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, limit: int) -> torch.Tensor:
@@ -50,9 +51,11 @@ class Guess:
 
 class NextLayerPredictor:
     def __init__(self, router_weights: Sequence[torch.Tensor], top_k: int, depth: int, stats: ExpertStats,
-                 max_per_layer: int | None = None) -> None:
-        """`router_weights[l]` is MoE layer l's router [E, H]; prefetch at most `max_per_layer`
-        experts per predicted layer (default 2 * top_k, HybriMoE's p)."""
+                 max_per_layer: int | None = None, router: Router = Router(),
+                 corrections: Sequence[torch.Tensor] | None = None) -> None:
+        """`router_weights[l]` is MoE layer l's router [E, H] (`corrections[l]` its correction bias [E]
+        where `router` has one); prefetch at most `max_per_layer` experts per predicted layer
+        (default 2 * top_k, HybriMoE's p)."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         num_layers = len(router_weights)
@@ -63,6 +66,10 @@ class NextLayerPredictor:
         # one matmul per layer for all its targets: their routers stacked [d*E, H]
         self._stacked = [torch.cat([router_weights[t] for t in targets]) if targets else None
                          for targets in self._targets]
+        self.router = router
+        # [d, E] per layer: its targets' correction biases
+        self._corrections = ([torch.stack([corrections[t] for t in targets]) if targets else None
+                              for targets in self._targets] if corrections is not None else None)
         self._stats = stats
         self._latest: dict[int, list[int]] = {}  # target layer -> guessed experts
 
@@ -73,10 +80,12 @@ class NextLayerPredictor:
         if weight is None:
             return None
         targets, t, e = self._targets[layer], x.shape[0], self.num_experts
-        probs = F.linear(x, weight).float().view(t, len(targets), e).softmax(dim=-1)  # [T, d, E]
-        top = probs.topk(self.top_k, dim=-1)  # [T, d, k]
+        scores = expert_scores(F.linear(x, weight).view(t * len(targets), e), self.router)  # [T*d, E]
+        correction = None if self._corrections is None else self._corrections[layer].repeat(t, 1)  # [T*d, E]
+        top = tuple(v.view(t, len(targets), -1) for v in chosen_scores(scores, self.top_k, self.router,
+                                                                         correction))  # [T, d, k] each
         if t == 1:  # one token's top-k is already its impact order: spare the ranking's launches
-            return Guess(targets, top, top.indices[0, :, : self.max_per_layer])
+            return Guess(targets, top, top[1][0, :, : self.max_per_layer])
         values, ids = (v.transpose(0, 1).reshape(len(targets), -1) for v in top)  # [d, T*k] each
         return Guess(targets, top, rank_by_impact(values, ids, e, self.max_per_layer))
 

@@ -43,7 +43,7 @@ from moe_serve.engine.experts.cpu_experts import (
 )
 from moe_serve.engine.experts.policies import MRSPolicy, make_policy
 from moe_serve.engine.experts.predictor import Guess, NextLayerPredictor, token_topk
-from moe_serve.engine.experts.routing import LayerRouting, resident_first
+from moe_serve.engine.experts.routing import LayerRouting, Router, resident_first
 from moe_serve.engine.experts.stats import StatsSnapshot
 from moe_serve.engine.experts.streaming import (
     MIN_WAVE_BYTES,
@@ -157,6 +157,7 @@ class CachedExpertRunner:
         self.stream_prefill = stream_prefill
         self._observer = observer
         self._router_weights: list[torch.Tensor] = []
+        self._router, self._corrections = Router(), None  # how the routers choose (set_router_weights)
         self._predictor: NextLayerPredictor | None = None
         self._cpu: CpuExperts | None = None
         if cpu_experts == "auto" and self.cache.resident_expert_slots is None:  # all resident: nothing is ever missed
@@ -172,12 +173,15 @@ class CachedExpertRunner:
         return cls(store, budget, config.cache_policy, config.device, top_k=top_k, prefetch=config.prefetch,
                    prefetch_depth=config.prefetch_depth, observer=observer, cpu_experts=config.cpu_experts)
 
-    def set_router_weights(self, weights: Sequence[torch.Tensor]) -> None:
-        """Hook in the model's routers ([E, H] per MoE layer) for the predictor and traces."""
+    def set_router_weights(self, weights: Sequence[torch.Tensor], router: Router = Router(),
+                           corrections: Sequence[torch.Tensor] | None = None) -> None:
+        """Hook in the model's routers ([E, H] per MoE layer) for the predictor and traces, and how
+        they choose (the family's Router, each layer's correction bias [E] where it has one)."""
         self._router_weights = list(weights)
+        self._router, self._corrections = router, (list(corrections) if corrections is not None else None)
         if self.prefetch_mode == "next-layer":
             self._predictor = NextLayerPredictor(self._router_weights, self.top_k, self.prefetch_depth,
-                                                 self.cache.stats)
+                                                 self.cache.stats, router=router, corrections=corrections)
 
     def run(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
         if self.prefetch_mode == "next-layer" and self._predictor is None:
@@ -222,7 +226,8 @@ class CachedExpertRunner:
         if not streamed:
             return self._predictor.guess(layer, x) if self._predictor is not None else None
         if self.cache.resident_expert_slots is None and layer + 1 < len(self._router_weights):
-            return stream_guess(x, self._router_weights[layer + 1], self.top_k, layer + 1, self.cache.capacity)
+            return stream_guess(x, self._router_weights[layer + 1], self.top_k, layer + 1, self.cache.capacity,
+                                self._router, self._correction(layer + 1))
         return None
 
     @property
@@ -414,8 +419,11 @@ class CachedExpertRunner:
         if guess is not None:
             return guess.next_layer()
         if layer + 1 < len(self._router_weights):
-            return token_topk(x, self._router_weights[layer + 1], self.top_k)
+            return token_topk(x, self._router_weights[layer + 1], self.top_k, self._router, self._correction(layer + 1))
         return None
+
+    def _correction(self, layer: int) -> torch.Tensor | None:
+        return None if self._corrections is None else self._corrections[layer]
 
     def _start_cpu(self, x: torch.Tensor, routing: LayerRouting, back: ReadBack) -> CpuJob | None:
         missing = self.cache.missing(routing.layer, back.experts)

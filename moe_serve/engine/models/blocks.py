@@ -16,12 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_serve.engine.experts.routing import ExpertRunner, LayerRouting
+from moe_serve.engine.experts.routing import ExpertRunner, LayerRouting, Router, chosen_scores, expert_scores
 from moe_serve.engine.kv.paged_cache import PagedStep
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.models.rope import RotaryEmbedding, apply_rotary
-from moe_serve.engine.models.variants import Router
 
 AttentionHook = Callable[[int, torch.Tensor], None]  # (decoder layer index, h [T, H])
 
@@ -213,35 +212,13 @@ class SequenceAttention:
         return out[0].transpose(0, 1).reshape(t, nq * d)
 
 
-def expert_scores(router_logits: torch.Tensor, router: Router) -> torch.Tensor:
-    """Every expert's score [..., E] fp32 from router logits [..., E]: softmax, or DeepSeek-V3's sigmoid."""
-    logits = router_logits.float()
-    return torch.sigmoid(logits) if router.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-
-
-def choose_experts(scores: torch.Tensor, top_k: int, router: Router,
-                   correction: torch.Tensor | None = None) -> torch.Tensor:
-    """The top-k experts [N, k] by score [N, E] (plus `correction`, broadcast to it), best first,
-    only among each row's topk_groups best groups when the router groups its experts."""
-    choice = scores if correction is None else scores + correction
-    if router.groups > 1:
-        grouped = choice.view(choice.shape[0], router.groups, -1)  # [N, G, E/G]
-        group_scores = (grouped.amax(dim=-1) if router.group_score == "max"
-                        else grouped.topk(2, dim=-1).values.sum(dim=-1))  # [N, G]
-        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
-            1, group_scores.topk(router.topk_groups, dim=-1).indices, True)  # [N, G]
-        choice = grouped.masked_fill(~kept[..., None], float("-inf")).flatten(1)  # [N, E]
-    return torch.topk(choice, top_k, dim=-1).indices
-
-
 def route(router_logits: torch.Tensor, top_k: int, normalize: bool, router: Router = Router(),
           correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(expert_ids [T, k], weights [T, k] fp32, probs [T, E] fp32) from router logits [T, E]: the
     experts choose_experts picks, weighed by their scores (never the correction), renormalised if
     `normalize`, times router.scaling."""
     probs = expert_scores(router_logits, router)  # [T, E]
-    ids = choose_experts(probs, top_k, router, correction)  # [T, k], best first
-    weights = probs.gather(1, ids)
+    weights, ids = chosen_scores(probs, top_k, router, correction)  # [T, k], best first
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights * router.scaling if router.scaling != 1.0 else weights, probs
@@ -377,6 +354,13 @@ class CausalLM(nn.Module):
     def router_weights(self) -> list[torch.Tensor]:
         """Each MoE layer's router weight [E, H], in MoE-layer order (for routing predictors)."""
         return [layer.mlp.router.weight for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def router_corrections(self) -> list[torch.Tensor] | None:
+        """Each MoE layer's correction bias [E] (DeepSeek-V3, GLM-4.5), in MoE-layer order; None
+        where the family's router has none."""
+        if not self.config.router.correction_bias:
+            return None
+        return [layer.mlp.router_bias for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
     @torch.inference_mode()
     def forward(

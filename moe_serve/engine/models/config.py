@@ -12,7 +12,8 @@ from moe_serve.engine.experts.layout import ExpertLayout
 from moe_serve.engine.models.registry import family_for
 from moe_serve.engine.quantized_checkpoints import checkpoint_quant
 from moe_serve.engine.models.rope import RopeConfig
-from moe_serve.engine.models.variants import LatentAttention, Router
+from moe_serve.engine.experts.routing import Router
+from moe_serve.engine.models.variants import LatentAttention
 
 QK_NORM_KINDS = ("none", "per_head", "full")
 

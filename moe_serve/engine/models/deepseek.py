@@ -24,7 +24,8 @@ from moe_serve.engine.models.family import (
     shared_experts_moe_rules,
 )
 from moe_serve.engine.models.rope import RopeConfig, yarn_mscale
-from moe_serve.engine.models.variants import LatentAttention, Router
+from moe_serve.engine.experts.routing import Router
+from moe_serve.engine.models.variants import LatentAttention
 
 
 def _latent_attention(hf: dict[str, Any], v3: bool) -> dict[str, Any]:

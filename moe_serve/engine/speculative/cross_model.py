@@ -35,8 +35,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from moe_serve.engine.models.blocks import CausalLM, MoEBlock, choose_experts, expert_scores
-from moe_serve.engine.models.variants import Router
+from moe_serve.engine.experts.routing import Router, choose_experts, expert_scores
+from moe_serve.engine.models.blocks import CausalLM, MoEBlock
 from moe_serve.engine.speculative.stats import SpecStats
 
 

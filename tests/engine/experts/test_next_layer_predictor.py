@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 
 from moe_serve.engine.experts.predictor import NextLayerPredictor, rank_by_impact, token_topk
+from moe_serve.engine.experts.routing import Router
 from moe_serve.engine.experts.stats import ExpertStats
+from moe_serve.engine.models.blocks import route
 
 
 def test_rank_by_impact_is_the_union_ordered_by_summed_probability() -> None:
@@ -53,3 +55,22 @@ def test_guess_for_several_tokens_ranks_their_union_by_impact() -> None:
     probs, ids = token_topk(x, weights[1], 2)  # [T, k]
     expected = rank_by_impact(probs.reshape(1, -1), ids.reshape(1, -1), num_experts=8, limit=3)
     assert torch.equal(predictor.guess(layer=0, x=x).ranked, expected)
+
+
+def test_guess_chooses_as_a_grouped_corrected_router_does() -> None:
+    """DeepSeek-V3 / GLM-4.5 routing: the guess is what the target layer's router itself picks from x
+    (sigmoid scores plus its correction bias, within the best groups), not a softmax top-k."""
+    gen = torch.Generator().manual_seed(3)
+    weights = [torch.randn(8, 4, generator=gen) for _ in range(3)]
+    corrections = [torch.randn(8, generator=gen) for _ in range(3)]
+    router = Router("sigmoid", groups=4, topk_groups=2, group_score="top2", correction_bias=True, scaling=2.5)
+    predictor = NextLayerPredictor(weights, top_k=2, depth=2, stats=ExpertStats(3), router=router,
+                                   corrections=corrections)
+    x = torch.randn(3, 4, generator=gen)
+    guess = predictor.guess(layer=0, x=x)
+    for j, target in enumerate(guess.targets):
+        ids, _, scores = route(x @ weights[target].T, 2, normalize=False, router=router, correction=corrections[target])
+        assert torch.equal(guess.top[1][:, j], ids)
+        torch.testing.assert_close(guess.top[0][:, j], scores.gather(1, ids))
+        assert torch.equal(token_topk(x, weights[target], 2, router, corrections[target])[1], ids)
+    assert not torch.equal(token_topk(x, weights[1], 2)[1], guess.top[1][:, 0])  # the plain top-k differs here

@@ -9,7 +9,7 @@ import torch
 from moe_serve.engine.kv.paged_cache import PagedKVCache, kv_bytes_per_token
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.models.config import ModelConfig
-from moe_serve.engine.models.variants import Router
+from moe_serve.engine.experts.routing import Router
 from tests.tiny_checkpoints import tiny_hf_model
 
 

@@ -11,7 +11,7 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.loader import LoadedModel, load_model
 from moe_serve.engine.models.blocks import MoEBlock, route
-from moe_serve.engine.models.variants import Router
+from moe_serve.engine.experts.routing import Router
 from tests.tiny_checkpoints import AllResidentRunner, build_tiny_checkpoint, tiny_hf_model
 
 
