@@ -24,7 +24,7 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.store import ExpertStore
 from moe_serve.engine.models.config import ModelConfig
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _BASE: dict[str, Any] = dict(
@@ -88,6 +88,11 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
                              mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0),
     )),
     # half of each head's dims rotated, q/k norm, attention biases; V3's routing in 2 groups, 1 shared expert
+    # q/k norm over whole projections, a partial rotation; sigmoid routing with the correction bias
+    "minimax_m2": ("MiniMaxM2Config", dict(
+        head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    )),
     "glm4_moe": ("Glm4MoeConfig", dict(
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,

@@ -8,6 +8,7 @@ from moe_serve.engine.models.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
 from moe_serve.engine.models.family import Family
 from moe_serve.engine.models.glm4_moe import GLM4_MOE
 from moe_serve.engine.models.llama import LLAMA, MISTRAL
+from moe_serve.engine.models.minimax_m2 import MINIMAX_M2
 from moe_serve.engine.models.mixtral import MIXTRAL
 from moe_serve.engine.models.olmoe import OLMOE
 from moe_serve.engine.models.qwen2 import QWEN2
@@ -18,7 +19,7 @@ from moe_serve.engine.models.qwen3_moe import QWEN3_MOE
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
     {arch: family
      for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3,
-                    GLM4_MOE)
+                    GLM4_MOE, MINIMAX_M2)
      for arch in family.architectures}
 )
 

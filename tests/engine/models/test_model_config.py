@@ -112,3 +112,12 @@ def test_glm4_moe_rotates_half_of_each_head_and_routes_as_deepseek_v3() -> None:
     assert config.qk_norm == "per_head" and config.qkv_bias and not config.o_bias
     assert config.shared_expert_intermediate_size == 16 and not config.shared_expert_gated
     assert not config.values_are_keys
+
+
+def test_minimax_m2_norms_whole_projections_and_reads_the_released_rotary_dim() -> None:
+    config = _config("minimax_m2")
+    assert config.qk_norm == "full" and config.rope_dim == 8 and config.head_dim == 16
+    assert config.router == Router("sigmoid", correction_bias=True) and config.norm_topk_prob
+    assert config.moe_layers == (0, 1, 2) and config.shared_expert_intermediate_size == 0
+    released = dict(rope_parameters={"rope_type": "default", "rope_theta": 5e6}, rotary_dim=4)  # as its config.json
+    assert _config("minimax_m2", **released).rope_dim == 4
