@@ -104,7 +104,9 @@ def run_layers(meta: Metadata) -> int:
     return meta.arch("block_count") - meta.arch("nextn_predict_layers", 0)
 
 
-def _glm4moe_fields(meta: Metadata, tensors: dict[str, GgufTensor]) -> dict[str, Any]:
+def _deepseek_moe_fields(meta: Metadata) -> dict[str, Any]:
+    """The MoE keys deepseek2 and glm4moe share: routed and shared experts, leading dense blocks,
+    the weights' scale, expert groups."""
     return dict(
         n_routed_experts=meta.arch("expert_count"),
         n_shared_experts=meta.arch("expert_shared_count", 0),
@@ -112,8 +114,11 @@ def _glm4moe_fields(meta: Metadata, tensors: dict[str, GgufTensor]) -> dict[str,
         routed_scaling_factor=meta.arch("expert_weights_scale", 1.0),
         n_group=meta.arch("expert_group_count", 1),
         topk_group=meta.arch("expert_group_used_count", 1),
-        use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
     )
+
+
+def _glm4moe_fields(meta: Metadata, tensors: dict[str, GgufTensor]) -> dict[str, Any]:
+    return dict(**_deepseek_moe_fields(meta), use_qk_norm="blk.0.attn_q_norm.weight" in tensors)
 
 
 def _roped_dims(meta: Metadata, head_dim: int) -> int:
@@ -127,21 +132,16 @@ def _deepseek2_fields(meta: Metadata, tensors: dict[str, GgufTensor]) -> dict[st
     key, value = ("attention.key_length_mla", "attention.value_length_mla") if split else ("attention.key_length",
                                                                                          "attention.value_length")
     v3 = meta.arch("expert_gating_func", 1) == _SIGMOID_GATING
-    groups, used_groups = meta.arch("expert_group_count", 1), meta.arch("expert_group_used_count", 1)
+    moe = _deepseek_moe_fields(meta)
     fields = dict(
+        **moe,
         architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
         q_lora_rank=meta.arch("attention.q_lora_rank", None),
         kv_lora_rank=meta.arch("attention.kv_lora_rank"),
         qk_nope_head_dim=meta.arch(key) - rope_dim,
         qk_rope_head_dim=rope_dim,
         v_head_dim=meta.arch(value),
-        first_k_dense_replace=meta.arch("leading_dense_block_count", 0),
-        n_routed_experts=meta.arch("expert_count"),
-        n_shared_experts=meta.arch("expert_shared_count", 0),
-        routed_scaling_factor=meta.arch("expert_weights_scale", 1.0),
-        n_group=groups,
-        topk_group=used_groups,
-        topk_method="noaux_tc" if v3 else ("group_limited_greedy" if groups > 1 else "greedy"),
+        topk_method="noaux_tc" if v3 else ("group_limited_greedy" if moe["n_group"] > 1 else "greedy"),
         scoring_func="sigmoid" if v3 else "softmax",
         attention_bias="blk.0.attn_kv_a_mqa.bias" in tensors,
     )

@@ -9,10 +9,10 @@ import torch
 from moe_serve.engine.experts.formats import expert_format
 from moe_serve.engine.experts.formats.mixes import MIXES, mix_formats
 from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.routing import Router
 from moe_serve.engine.models.registry import family_for
 from moe_serve.engine.quantized_checkpoints import checkpoint_quant
 from moe_serve.engine.models.rope import RopeConfig
-from moe_serve.engine.experts.routing import Router
 from moe_serve.engine.models.variants import LatentAttention
 
 QK_NORM_KINDS = ("none", "per_head", "full")
@@ -114,7 +114,9 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """The dims of a head that RoPE rotates: a latent attention's roped part, else the head's
         first partial_rotary_factor of them."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else int(self.head_dim * self.rope.partial_rotary_factor)
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
     def values_are_keys(self) -> bool:

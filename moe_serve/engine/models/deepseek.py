@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moe_serve.engine.experts.routing import Router
 from moe_serve.engine.models.family import (
     DENSE_MLP_RULES,
     MODEL_RULES,
@@ -24,7 +25,6 @@ from moe_serve.engine.models.family import (
     shared_experts_moe_rules,
 )
 from moe_serve.engine.models.rope import RopeConfig, yarn_mscale
-from moe_serve.engine.experts.routing import Router
 from moe_serve.engine.models.variants import LatentAttention
 
 

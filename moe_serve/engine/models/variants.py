@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class LatentAttention:
     """DeepSeek's multi-head latent attention (MLA): queries from q_lora_rank (None: straight from x),
