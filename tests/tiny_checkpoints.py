@@ -24,7 +24,7 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.store import ExpertStore
 from moe_serve.engine.models.config import ModelConfig
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _BASE: dict[str, Any] = dict(
@@ -92,6 +92,11 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "minimax_m2": ("MiniMaxM2Config", dict(
         head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    )),
+    # adjacent pairs rotated, MoE from layer 1 with softmax routing and a correction bias, 2 shared experts
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(
+        moe_num_experts=8, moe_k=2, moe_num_shared_experts=2, moe_intermediate_size=16, moe_layer_start_index=1,
+        moe_layer_end_index=2, tie_word_embeddings=True,
     )),
     "glm4_moe": ("Glm4MoeConfig", dict(
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,

@@ -36,6 +36,7 @@ from moe_serve.engine.models.blocks import CausalLM
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
 from moe_serve.engine.models.registry import FAMILIES
+from moe_serve.engine.models.rope import pairs_to_halves_rows
 from moe_serve.engine.quantized_checkpoints import checkpoint_quant
 from moe_serve.engine.quantized_checkpoints.base import CheckpointQuant
 
@@ -367,6 +368,10 @@ def _load_params(
         if key in filled:
             raise LoadError(f"duplicate tensor {target.hf_name!r}")
         dst = params[target.ours][_part_rows(config, params[target.ours], target.part)]
+        if config.rope_interleaved and target.part in ("q", "k"):
+            tensor = pairs_to_halves_rows(tensor, config.num_heads if target.part == "q" else config.num_kv_heads)
+        if dst.shape != tensor.shape and tensor.shape == (1, *dst.shape):  # a vector saved as [1, N] (ERNIE's)
+            tensor = tensor[0]
         if dst.shape != tensor.shape:
             raise LoadError(f"tensor {target.hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)

@@ -48,6 +48,7 @@ from moe_serve.engine.loader import (
 )
 from moe_serve.engine.models.config import ModelConfig
 from moe_serve.engine.models.family import EXPERT_PREFIX, TensorRule
+from moe_serve.engine.models.rope import pairs_to_halves_rows
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class GgufCheckpoint:
             weights = self._kv_b(tensor.name, weights)
         if self._pairs_rotated and target.part in ("q", "k"):
             heads = self.config.num_heads if target.part == "q" else self.config.num_kv_heads
-            weights = _halves_first(weights, heads)
+            weights = pairs_to_halves_rows(weights, heads)
         if target.ours.endswith(".shared_gate.weight"):  # [1, H], which llama.cpp's converter squeezes to [H]
             weights = weights.reshape(1, -1)
         return weights
@@ -221,9 +222,3 @@ def _kept_types(experts: dict[str, GgufTensor], main: str | None, moe_layers: tu
             found = types.get((layer, matrix), set())
             kept[layer, matrix] = found.pop() if len(found) == 1 and found <= set(EXPERT_BLOCK_FORMATS) else main
     return kept
-
-
-def _halves_first(w: torch.Tensor, heads: int) -> torch.Tensor:
-    """Undo llama.cpp's converter on q or k rows (weight [heads * D, H] or bias [heads * D]): each head's
-    rows (i, D/2 + i), interleaved there as rows 2 i, 2 i + 1, back to its two halves."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

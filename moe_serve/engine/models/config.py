@@ -38,6 +38,9 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: str = "none"  # none | per_head (RMSNorm over head_dim) | full (over the whole q / k projection)
     clip_qkv: float | None = None
+    # q and k rotate adjacent pairs of dims (ERNIE): the loader reorders their rows to halves
+    # (rope.pairs_to_halves_rows), which the attention rotates as every other family's
+    rope_interleaved: bool = False
     mla: LatentAttention | None = None  # DeepSeek's latent attention: head_dim is then the cache row's
     attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
     attention_windows: tuple[int | None, ...] = ()  # per layer: sliding window, None = full causal
@@ -74,6 +77,8 @@ class ModelConfig:
                              f"{len(self.moe_layers)} MoE layers")
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise ValueError("dense layers present but intermediate_size is 0")
+        if self.rope_interleaved and (self.qk_norm != "none" or self.mla is not None):
+            raise ValueError("interleaved rope with q/k norm or latent attention: their rows are not reordered")
         if self.moe_layers and self.num_experts % self.router.groups:
             raise ValueError(f"{self.num_experts} experts do not split into n_group={self.router.groups} groups")
 

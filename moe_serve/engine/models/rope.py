@@ -178,6 +178,14 @@ class RotaryEmbedding(torch.nn.Module):
         return cos, sin
 
 
+def pairs_to_halves_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """A q or k projection (weight [heads * D, H] or bias [heads * D]) whose heads rotate adjacent
+    pairs of dims (rows 2 i, 2 i + 1: llama.cpp's order, ERNIE's own) reordered so that each head's
+    pair i is its rows i, D/2 + i, which apply_rotary's rotate-half turns alike. q.k is the same
+    when q and k are reordered together."""
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, n, D] by cos/sin [T, 1, R] (the HF "rotate half" convention): its first R dims,
     the others passing as they are (a partial rotation, R < D)."""

@@ -121,3 +121,13 @@ def test_minimax_m2_norms_whole_projections_and_reads_the_released_rotary_dim() 
     assert config.moe_layers == (0, 1, 2) and config.shared_expert_intermediate_size == 0
     released = dict(rope_parameters={"rope_type": "default", "rope_theta": 5e6}, rotary_dim=4)  # as its config.json
     assert _config("minimax_m2", **released).rope_dim == 4
+
+
+def test_ernie4_5_moe_layers_interleaved_rope_and_softmax_routing_with_a_correction() -> None:
+    config = _config("ernie4_5_moe")
+    assert config.moe_layers == (1, 2) and config.rope_interleaved and config.rope_dim == config.head_dim
+    assert config.router == Router(correction_bias=True) and config.norm_topk_prob
+    assert config.shared_expert_intermediate_size == 32 and not config.shared_expert_gated
+    assert _config("ernie4_5_moe", moe_layer_interval=2, moe_layer_start_index=0).moe_layers == (1,)
+    with pytest.raises(ValueError, match="use_bias"):
+        _config("ernie4_5_moe", use_bias=True)
