@@ -24,7 +24,7 @@ from tests.tiny_checkpoints import tiny_hf_model
 
 ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
                  "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
-                 "glm4_moe": "glm4moe"}
+                 "glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe", "minimax_m2": "minimax-m2"}
 _LAYER = r"model\.layers\.(\d+)\."
 _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
@@ -44,7 +44,7 @@ _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (_LAYER + r"self_attn\.kv_a_proj_with_mqa\.(weight|bias)", r"blk.\1.attn_kv_a_mqa.\2"),
     (_LAYER + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
     (_LAYER + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
-    (_LAYER + r"mlp\.gate\.e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
+    (_LAYER + r"mlp\.(gate\.|gate\.moe_statics\.)?e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
 ]
 
 
@@ -129,7 +129,8 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
             target = gguf_name(name, arch)
             block = GGML_QUANT_SIZES[GGMLQuantizationType[weight_type]][0]
             type_name = weight_type if w.dim() == 2 and w.shape[1] % block == 0 else "F32"
-            written = w.squeeze(0) if target.endswith("ffn_gate_inp_shexp.weight") else w  # the converter squeezes it
+            # the converter squeezes these: [1, H] and ERNIE's [1, E]
+            written = w.squeeze(0) if target.endswith(("ffn_gate_inp_shexp.weight", "exp_probs_b.bias")) else w
             if arch == "llama" and re.search(r"attn_[qk]\.", target):
                 written = llama_cpp_row_order(w, config.num_attention_heads if ".attn_q." in target
                                               else config.num_key_value_heads)
@@ -176,6 +177,14 @@ def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
     if arch == "glm4moe":
         _glm4moe_metadata(writer, config)
+    if arch == "ernie4_5-moe":
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        writer.add_expert_shared_count(config.moe_num_shared_experts)
+        writer.add_leading_dense_block_count(config.moe_layer_start_index)
+        writer.add_interleave_moe_layer_step(config.moe_layer_interval)
+    if arch == "minimax-m2":
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)

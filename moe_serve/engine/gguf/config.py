@@ -6,6 +6,9 @@ llama.cpp keeps a few settings only in the tensors, and they are read from there
 and llama3 rope scaling (rope_freqs, one divisor per frequency, from which the llama3 parameters
 are recovered and checked to give the same frequencies). Mixtral is GGUF's llama with experts.
 
+ernie4_5-moe's q and k rows come as its config.json's (pairs rotated, reordered by the loader), and
+minimax-m2 rotates the first rope.dimension_count dims of a head in halves, as glm4moe below.
+
 deepseek2 holds DeepSeek-V2 and -V3 (and V2-Lite, Moonlight): V3 where its gating function is
 sigmoid. Its latent attention's sizes come from the attention.*_lora_rank keys and the head widths
 from key_length_mla / value_length_mla (files converted before llama.cpp split kv_b keep them in
@@ -30,13 +33,15 @@ from moe_serve.engine.models.rope import RopeConfig, rope_frequencies
 
 _DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MOE = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-        "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM"}
+        "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
+        "ernie4_5-moe": "Ernie4_5_MoeForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM"}
 ARCHITECTURES = tuple(sorted(set(_DENSE) | set(_MOE)))
 # whether llama.cpp renormalises the top-k routing weights of an architecture, when the file has no
 # expert_weights_norm key (it does for Mixtral and Qwen3-MoE, as their HF configs do)
-_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "glm4moe": True}
+_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "glm4moe": True,
+              "ernie4_5-moe": True, "minimax-m2": True}
 # architectures whose partial rotation turns a head's first dims in halves, as transformers does
-_PARTIAL_ROTATION = ("glm4moe",)
+_PARTIAL_ROTATION = ("glm4moe", "minimax-m2")
 _SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
 _REQUIRED = object()
 
@@ -96,7 +101,19 @@ def hf_config(file: GgufFile) -> dict[str, Any]:
         hf.update(_deepseek2_fields(meta, tensors))
     if arch == "glm4moe":
         hf.update(_glm4moe_fields(meta, tensors))
+    if arch == "ernie4_5-moe":
+        hf.update(_ernie4_5_moe_fields(meta, hf["mlp_only_layers"]))
     return hf
+
+
+def _ernie4_5_moe_fields(meta: Metadata, dense: list[int]) -> dict[str, Any]:
+    """ERNIE's MoE layers as its config.json counts them: from the first layer with a router, every
+    interleave_moe_layer_step-th, to the last (those with ffn_gate_inp, _moe_fields found)."""
+    moe = [i for i in range(run_layers(meta)) if i not in dense]
+    return dict(moe_num_experts=meta.arch("expert_count"), moe_k=meta.arch("expert_used_count"),
+                moe_num_shared_experts=meta.arch("expert_shared_count", 0),
+                moe_intermediate_size=meta.arch("expert_feed_forward_length"), moe_layer_start_index=moe[0],
+                moe_layer_end_index=moe[-1], moe_layer_interval=meta.arch("interleave_moe_layer_step", 1))
 
 
 def run_layers(meta: Metadata) -> int:
@@ -165,7 +182,8 @@ def _moe_fields(meta: Metadata, tensors: dict[str, GgufTensor], experts: int) ->
         decoder_sparse_step=1,
         clip_qkv=meta.arch("attention.clamp_kqv", None),
     )
-    if meta.architecture in ("llama", "olmoe"):  # their HF configs call the expert width intermediate_size
+    # their HF configs call the expert width intermediate_size
+    if meta.architecture in ("llama", "olmoe", "minimax-m2"):
         fields["intermediate_size"] = width
     if meta.architecture == "qwen2moe":
         fields["shared_expert_intermediate_size"] = meta.arch("expert_shared_feed_forward_length")

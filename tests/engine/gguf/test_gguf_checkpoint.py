@@ -42,6 +42,8 @@ CASES = [
     ("deepseek_v3", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, split_kv_b=False)),
     # a partial rotation, q/k norm, post_attention_norm, and an MTP layer counted in block_count (skipped)
     ("glm4_moe", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, n_group=1, topk_group=1)),
+    ("ernie4_5_moe", "Q8_0", "Q8_0", dict(moe_intermediate_size=32)),  # pair-rotating q/k rows, moe_statics
+    ("minimax_m2", "Q8_0", "Q8_0", {}),  # whole-projection q/k norm, a partial rotation, sigmoid gating
     ("llama", None, "Q8_0", LLAMA3),  # biases everywhere, tied embeddings, llama3 rope as rope_freqs
     ("qwen2", None, "Q8_0", dict(use_sliding_window=False)),  # linear rope (GGUF keeps no sliding window)
     ("qwen3", None, "F16", {}),  # yarn rope, head_dim != hidden / heads
@@ -192,7 +194,8 @@ def test_the_test_files_tensor_names_are_llama_cpps(family: str) -> None:
         if "experts." in name and "shared" not in name or name.endswith("kv_b_proj.weight"):
             continue  # stacked or split by the writer itself
         # the converter's own renaming before it maps (DeepSeek-V3, GLM-4.5)
-        hf = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        hf = name.replace("e_score_correction_bias", "e_score_correction.bias").replace(
+            "mlp.gate.moe_statics", "mlp.moe_statics")  # ERNIE's, inside the gate only in transformers' memory
         assert gguf_name(name, arch) == names.get_name(hf, try_suffixes=(".weight", ".bias")), name
         checked += 1
     assert checked > 10

@@ -19,7 +19,8 @@ LLAMA3 = dict(max_position_embeddings=2048, rope_parameters=dict(
     original_max_position_embeddings=4096), head_dim=32)  # four of the 16 frequencies blended
 FAMILIES = {"mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "llama": LLAMA3,
             "qwen2": dict(use_sliding_window=False), "qwen3": {}, "deepseek_v2": {}, "deepseek_v3": {},
-            "deepseek_v3-unsplit": dict(split_kv_b=False), "glm4_moe": dict(n_group=1, topk_group=1)}
+            "deepseek_v3-unsplit": dict(split_kv_b=False), "glm4_moe": dict(n_group=1, topk_group=1),
+            "ernie4_5_moe": {}, "minimax_m2": {}}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
