@@ -24,7 +24,7 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.store import ExpertStore
 from moe_serve.engine.models.config import ModelConfig
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "dots1")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _BASE: dict[str, Any] = dict(
@@ -97,6 +97,12 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(
         moe_num_experts=8, moe_k=2, moe_num_shared_experts=2, moe_intermediate_size=16, moe_layer_start_index=1,
         moe_layer_end_index=2, tie_word_embeddings=True,
+    )),
+    # Qwen3's attention with a sliding window on the second layer over V3's MoE in 2 groups
+    "dots1": ("Dots1Config", dict(
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.4, norm_topk_prob=True,
+        sliding_window=5, layer_types=["full_attention", "sliding_attention", "full_attention"],
     )),
     "glm4_moe": ("Glm4MoeConfig", dict(
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,

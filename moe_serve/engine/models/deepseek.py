@@ -79,21 +79,28 @@ def moe_layers_after_dense(hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(i for i in range(hf["num_hidden_layers"]) if i >= first and i % every == 0)
 
 
-def _fields(hf: dict[str, Any], v3: bool) -> dict[str, Any]:
-    shared = hf.get("n_shared_experts") or 0
+def v3_moe_fields(hf: dict[str, Any], norm_topk_prob: bool = False) -> dict[str, Any]:
+    """DeepSeek-V3's MoE as a family's config.json gives it (GLM-4.5's and dots.llm1's too): dense
+    first layers, routed experts by sigmoid_router beside ungated shared ones, MTP layers not run."""
     return dict(
-        **_latent_attention(hf, v3),
         intermediate_size=hf["intermediate_size"],
         num_experts=hf["n_routed_experts"],
         top_k=hf["num_experts_per_tok"],
         moe_intermediate_size=hf["moe_intermediate_size"],
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) and v3,
-        shared_expert_intermediate_size=hf["moe_intermediate_size"] * shared,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", norm_topk_prob)),
+        shared_expert_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
         shared_expert_gated=False,
-        router=_router(hf, v3),
+        router=sigmoid_router(hf),
         moe_layers=moe_layers_after_dense(hf),
-        unrun_layers=int(hf.get("num_nextn_predict_layers") or 0) if v3 else 0,
+        unrun_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
+
+
+def _fields(hf: dict[str, Any], v3: bool) -> dict[str, Any]:
+    fields = {**v3_moe_fields(hf), **_latent_attention(hf, v3), "router": _router(hf, v3)}  # refuses the rest
+    if not v3:  # V2 weighs without renormalising and has no MTP layers
+        fields.update(norm_topk_prob=False, unrun_layers=0)
+    return fields
 
 
 def _attention_rules() -> tuple[TensorRule, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_serve.engine.models.deepseek import moe_layers_after_dense, sigmoid_router
+from moe_serve.engine.models.deepseek import v3_moe_fields
 from moe_serve.engine.models.family import (
     ATTENTION_RULES,
     DENSE_MLP_RULES,
@@ -19,19 +19,10 @@ from moe_serve.engine.models.family import (
 
 def _fields(hf: dict[str, Any]) -> dict[str, Any]:
     return dict(
-        intermediate_size=hf["intermediate_size"],
+        **v3_moe_fields(hf, norm_topk_prob=True),
         qkv_bias=bool(hf.get("attention_bias", False)),
         qk_norm="per_head" if hf.get("use_qk_norm") else "none",
         attention_windows=uniform_windows(hf, None),
-        num_experts=hf["n_routed_experts"],
-        top_k=hf["num_experts_per_tok"],
-        moe_intermediate_size=hf["moe_intermediate_size"],
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-        shared_expert_intermediate_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
-        shared_expert_gated=False,
-        router=sigmoid_router(hf),
-        moe_layers=moe_layers_after_dense(hf),
-        unrun_layers=int(hf.get("num_nextn_predict_layers") or 0),
     )
 
 

@@ -5,6 +5,7 @@ from types import MappingProxyType
 from typing import Any
 
 from moe_serve.engine.models.deepseek import DEEPSEEK_V2, DEEPSEEK_V3
+from moe_serve.engine.models.dots1 import DOTS1
 from moe_serve.engine.models.ernie4_5_moe import ERNIE4_5_MOE
 from moe_serve.engine.models.family import Family
 from moe_serve.engine.models.glm4_moe import GLM4_MOE
@@ -20,7 +21,7 @@ from moe_serve.engine.models.qwen3_moe import QWEN3_MOE
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
     {arch: family
      for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3,
-                    GLM4_MOE, MINIMAX_M2, ERNIE4_5_MOE)
+                    GLM4_MOE, MINIMAX_M2, ERNIE4_5_MOE, DOTS1)
      for arch in family.architectures}
 )
 

@@ -131,3 +131,10 @@ def test_ernie4_5_moe_layers_interleaved_rope_and_softmax_routing_with_a_correct
     assert _config("ernie4_5_moe", moe_layer_interval=2, moe_layer_start_index=0).moe_layers == (1,)
     with pytest.raises(ValueError, match="use_bias"):
         _config("ernie4_5_moe", use_bias=True)
+
+
+def test_dots1_windows_follow_its_layer_types_over_deepseek_v3_moe() -> None:
+    config = _config("dots1")
+    assert config.attention_windows == (None, 5, None) and config.qk_norm == "per_head"
+    assert config.router == Router("sigmoid", 2, 1, "top2", True, 1.4) and config.moe_layers == (1, 2)
+    assert config.shared_expert_intermediate_size == 16 and not config.shared_expert_gated
