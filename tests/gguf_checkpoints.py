@@ -24,7 +24,8 @@ from tests.tiny_checkpoints import tiny_hf_model
 
 ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
                  "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
-                 "glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe", "minimax_m2": "minimax-m2"}
+                 "glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe", "minimax_m2": "minimax-m2",
+                 "dots1": "dots1"}
 _LAYER = r"model\.layers\.(\d+)\."
 _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
@@ -175,7 +176,7 @@ def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
         writer.add_rope_dimension_count(int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0)))
-    if arch == "glm4moe":
+    if arch in ("glm4moe", "dots1"):
         _glm4moe_metadata(writer, config)
     if arch == "ernie4_5-moe":
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -245,15 +246,16 @@ def _deepseek2_metadata(writer: GGUFWriter, config: Any, split_kv_b: bool) -> No
 
 
 def _glm4moe_metadata(writer: GGUFWriter, config: Any) -> None:
-    """The keys llama.cpp's converter writes for GLM-4.5 beyond _metadata's (no expert groups: its
-    checkpoints have one)."""
+    """The keys llama.cpp's converter writes for GLM-4.5 and dots.llm1 beyond _metadata's (no expert
+    groups: their checkpoints have one)."""
     writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_expert_shared_count(config.n_shared_experts)
     writer.add_leading_dense_block_count(config.first_k_dense_replace)
     writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     writer.add_expert_weights_scale(config.routed_scaling_factor)
     writer.add_expert_weights_norm(config.norm_topk_prob)
-    writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
+    if getattr(config, "num_nextn_predict_layers", 0):
+        writer.add_nextn_predict_layers(config.num_nextn_predict_layers)
 
 
 def _llama3_divisors(rope: dict[str, Any], head_dim: int) -> np.ndarray:

@@ -294,7 +294,7 @@ def serve(settings: ServerSettings, engine_config: EngineConfig, listener: socke
     try:
         app = create_app(settings, engine_config, on_fatal=stop, shared=shared)
     except (OSError, ValueError) as exc:  # the tokenizer's files are there but transformers cannot read them
-        # transformers builds no tokenizer of an olmoe, deepseek2, glm4moe, ernie4_5-moe or minimax-m2 GGUF
+        # transformers builds no tokenizer of an olmoe, deepseek2, glm4moe, ernie4_5-moe, minimax-m2 or dots1 GGUF
         hint = ("; give the checkpoint's tokenizer folder as --tokenizer DIR" if settings.tokenizer is None
                 and is_gguf(engine_config.model) else "")
         sys.exit(f"moe-serve: cannot load the tokenizer in {settings.tokenizer or engine_config.model}: "

@@ -34,12 +34,12 @@ from moe_serve.engine.models.rope import RopeConfig, rope_frequencies
 _DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MOE = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
         "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
-        "ernie4_5-moe": "Ernie4_5_MoeForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM"}
+        "ernie4_5-moe": "Ernie4_5_MoeForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM", "dots1": "Dots1ForCausalLM"}
 ARCHITECTURES = tuple(sorted(set(_DENSE) | set(_MOE)))
 # whether llama.cpp renormalises the top-k routing weights of an architecture, when the file has no
 # expert_weights_norm key (it does for Mixtral and Qwen3-MoE, as their HF configs do)
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "glm4moe": True,
-              "ernie4_5-moe": True, "minimax-m2": True}
+              "ernie4_5-moe": True, "minimax-m2": True, "dots1": False}
 # architectures whose partial rotation turns a head's first dims in halves, as transformers does
 _PARTIAL_ROTATION = ("glm4moe", "minimax-m2")
 _SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
@@ -101,6 +101,8 @@ def hf_config(file: GgufFile) -> dict[str, Any]:
         hf.update(_deepseek2_fields(meta, tensors))
     if arch == "glm4moe":
         hf.update(_glm4moe_fields(meta, tensors))
+    if arch == "dots1":
+        hf.update(_deepseek_moe_fields(meta))
     if arch == "ernie4_5-moe":
         hf.update(_ernie4_5_moe_fields(meta, hf["mlp_only_layers"]))
     return hf
@@ -122,8 +124,8 @@ def run_layers(meta: Metadata) -> int:
 
 
 def _deepseek_moe_fields(meta: Metadata) -> dict[str, Any]:
-    """The MoE keys deepseek2 and glm4moe share: routed and shared experts, leading dense blocks,
-    the weights' scale, expert groups."""
+    """The MoE keys deepseek2, glm4moe and dots1 share: routed and shared experts, leading dense
+    blocks, the weights' scale, expert groups."""
     return dict(
         n_routed_experts=meta.arch("expert_count"),
         n_shared_experts=meta.arch("expert_shared_count", 0),

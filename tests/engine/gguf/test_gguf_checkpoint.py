@@ -44,6 +44,7 @@ CASES = [
     ("glm4_moe", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, n_group=1, topk_group=1)),
     ("ernie4_5_moe", "Q8_0", "Q8_0", dict(moe_intermediate_size=32)),  # pair-rotating q/k rows, moe_statics
     ("minimax_m2", "Q8_0", "Q8_0", {}),  # whole-projection q/k norm, a partial rotation, sigmoid gating
+    ("dots1", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, n_group=1, topk_group=1, layer_types=None)),
     ("llama", None, "Q8_0", LLAMA3),  # biases everywhere, tied embeddings, llama3 rope as rope_freqs
     ("qwen2", None, "Q8_0", dict(use_sliding_window=False)),  # linear rope (GGUF keeps no sliding window)
     ("qwen3", None, "F16", {}),  # yarn rope, head_dim != hidden / heads
