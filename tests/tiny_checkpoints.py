@@ -24,7 +24,8 @@ from moe_serve.engine.experts.routing import LayerRouting
 from moe_serve.engine.experts.store import ExpertStore
 from moe_serve.engine.models.config import ModelConfig
 
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "dots1")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
+                "ernie4_5_moe", "dots1")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _BASE: dict[str, Any] = dict(

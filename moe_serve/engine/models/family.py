@@ -100,7 +100,8 @@ def router_rule(moe_prefix: str) -> TensorRule:
 def shared_experts_moe_rules() -> tuple[TensorRule, ...]:
     """DeepSeek-style MoE layers (GLM-4.5's too): the router and its correction bias, shared experts
     (added ungated), routed experts, under mlp."""
-    return ((router_rule("mlp."), TensorRule(layer_name("mlp.gate.e_score_correction_bias"), "layers.{L}.mlp.router_bias"))
+    correction = TensorRule(layer_name("mlp.gate.e_score_correction_bias"), "layers.{L}.mlp.router_bias")
+    return ((router_rule("mlp."), correction)
             + swiglu_rules(layer_name("mlp.shared_experts."), "layers.{L}.mlp.shared.", QWEN_EXPERT_NAMES)
             + expert_rules("mlp.", QWEN_EXPERT_NAMES))
 

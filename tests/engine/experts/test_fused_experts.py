@@ -80,7 +80,8 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
         for config in configs:
             got = fused_experts(x, weights, slots, ids, layout, config=config)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{quant} {(h, i, t, k)} {config}: {m}")
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{quant} {(h, i, t, k)} {config}: {m}")
 
 
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fused_experts_available("cuda")),

@@ -93,7 +93,8 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
         for config in configs:
             got = grouped_experts(x, weights, slots, ids, layout, config=config)
             assert got.shape == (t, h) and got.dtype == x.dtype
-            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol, msg=lambda m: f"{quant} {(h, i, t, k)} {config}: {m}")
+            torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol,
+                                       msg=lambda m: f"{quant} {(h, i, t, k)} {config}: {m}")
 
 
 def _blocks_in_python(slot_ids: torch.Tensor, num_slots: int, block_m: int, kernel: bool,
