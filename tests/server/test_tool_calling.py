@@ -36,6 +36,8 @@ FAMILY_CALLS = {
     "llama3_json": r'\{"name": "get_weather", "parameters": ' + ARGUMENTS + r'\}',
     "deepseek_v3": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                    + ARGUMENTS + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "glm45": (r"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>(Paris|Tokyo)</arg_value>\n"
+              r"<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>"),
 }
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from moe_serve.server.tool_parsers.base import ToolParser
 from moe_serve.server.tool_parsers.deepseek_v3 import DeepSeekV3Parser
+from moe_serve.server.tool_parsers.glm45 import Glm45Parser
 from moe_serve.server.tool_parsers.hermes import HermesParser
 from moe_serve.server.tool_parsers.llama3_json import Llama3JsonParser
 from moe_serve.server.tool_parsers.mistral import MistralParser
@@ -12,4 +13,5 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralParser,
     "llama3_json": Llama3JsonParser,
     "deepseek_v3": DeepSeekV3Parser,
+    "glm45": Glm45Parser,
 }

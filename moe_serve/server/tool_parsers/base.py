@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 from moe_serve.server.tool_parsers.json_scan import PartialCall
 
@@ -14,6 +15,11 @@ from moe_serve.server.tool_parsers.json_scan import PartialCall
 class ToolParser(ABC):
     # Decode the model's special tokens too: some families write their tool markup with them.
     keeps_special_tokens = False
+
+    def __init__(self, parameters: dict[str, dict] | None = None) -> None:
+        # the request's tools: name -> parameters' JSON schema (for formats that write arguments
+        # other than as JSON, whose values take their types from it: glm45)
+        self.parameters = parameters or {}
 
     @abstractmethod
     def content_end(self, text: str, final: bool) -> tuple[int, bool]:
@@ -40,6 +46,22 @@ class MarkerParser(ToolParser):
         if at >= 0:
             return at, True
         return len(text) - (0 if final else held_marker_length(text, self.start_marker)), False
+
+
+def call_blocks(markup: str, i: int, begin: str,
+                scan_call: Callable[[str, int], tuple[PartialCall | None, int]]) -> list[PartialCall]:
+    """The calls of consecutive blocks that each open with `begin`, from markup[i]: scan_call(markup,
+    just past begin) gives (the call, or None while its name is unfinished; where the next block may
+    begin). Reading stops at an unfinished or broken call."""
+    calls: list[PartialCall] = []
+    while markup.startswith(begin, i):
+        call, i = scan_call(markup, i + len(begin))
+        if call is None:
+            break
+        calls.append(call)
+        if call.end is None or call.broken:
+            break
+    return calls
 
 
 def held_marker_length(text: str, marker: str) -> int:

@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from moe_serve.server.tool_parsers.base import MarkerParser
+from moe_serve.server.tool_parsers.base import MarkerParser, call_blocks
 from moe_serve.server.tool_parsers.json_scan import PartialCall, skip_whitespace, value_end
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
@@ -22,16 +22,8 @@ class DeepSeekV3Parser(MarkerParser):
     keeps_special_tokens = True
 
     def scan(self, markup: str, final: bool) -> list[PartialCall]:
-        calls: list[PartialCall] = []
-        i = skip_whitespace(markup, len(CALLS_BEGIN))
-        while markup.startswith(CALL_BEGIN, i):
-            call, i = _scan_call(markup, i + len(CALL_BEGIN), final)
-            if call is None:
-                break
-            calls.append(call)
-            if call.end is None or call.broken:
-                break
-        return calls
+        return call_blocks(markup, skip_whitespace(markup, len(CALLS_BEGIN)), CALL_BEGIN,
+                           lambda text, i: _scan_call(text, i, final))
 
 
 def _scan_call(markup: str, i: int, final: bool) -> tuple[PartialCall | None, int]:

@@ -50,6 +50,7 @@ class NamedParser(ToolParser):
     """The whole output is the arguments of the one function named."""
 
     def __init__(self, name: str) -> None:
+        super().__init__()
         self.name = name
 
     def content_end(self, text: str, final: bool) -> tuple[int, bool]:

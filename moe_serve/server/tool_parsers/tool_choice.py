@@ -54,13 +54,13 @@ def tool_calling(body: ChatCompletionRequest, parser_name: str | None, grammars:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
     parallel = body.parallel_tool_calls is not False
     max_calls = None if parallel else 1
+    parameters = {tool.function.name: tool.function.parameters for tool in body.tools or ()}
     if choice == "auto":
         if parser_name is None:
             raise bad_request("tool_choice 'auto' (the default with tools) needs a server started with "
                               "--tool-call-parser; 'required', a named function and 'none' work without one",
                               "tool_choice")
-        return ToolCalling(tools, TOOL_PARSERS[parser_name](), None, max_calls)
-    parameters = {tool.function.name: tool.function.parameters for tool in body.tools or ()}
+        return ToolCalling(tools, TOOL_PARSERS[parser_name](parameters), None, max_calls)
     if choice == "required":
         parser, schema = RequiredParser(), required_schema(parameters, parallel)
     else:

@@ -40,6 +40,12 @@ CASES = {
                      f"```json\n{WEATHER_TEXT}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>"
                      'get_time\n```json\n{"zone": "UTC"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
                     "Checking.", "tool▁"),
+    "glm45": (TOOL_PARSERS["glm45"](),
+              ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Pa\"ris }</arg_value>\n"
+               '<arg_key>days</arg_key>\n<arg_value>[1, {"x": "]"}]</arg_value>\n<arg_key>unit</arg_key>\n'
+               "<arg_value>null</arg_value>\n</tool_call>\n<tool_call>get_time\n<arg_key>zone</arg_key>\n"
+               "<arg_value>UTC</arg_value>\n</tool_call>"),
+              "Checking.\n", "arg_"),
     "required": (RequiredParser(),
                  f'[{{"name":"get_weather","parameters":{WEATHER_TEXT}}},{{"name":"get_time","parameters":{{"zone": "UTC"}}}}]',
                  "", "parameters"),
@@ -137,3 +143,18 @@ def test_mistral_ids_are_nine_letters_and_digits() -> None:
     parser, text, _, _ = CASES["mistral"]
     _, calls, _ = read(parser, [text])
     assert all(len(c.id) == 9 and c.id.isalnum() for c in calls)
+
+
+def test_glm45_values_take_their_types_from_the_tools_schemas() -> None:
+    """GLM-4.5 writes a string argument bare and any other as JSON: the schema tells "123" the string
+    from 123 the number; without it, what reads as JSON is JSON."""
+    text = ("<tool_call>lookup\n<arg_key>code</arg_key>\n<arg_value>123</arg_value>\n<arg_key>n</arg_key>\n"
+            "<arg_value>7</arg_value>\n<arg_key>tags</arg_key>\n<arg_value>[\"a\"]</arg_value>\n</tool_call>")
+    schema = {"type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"},
+                                               "tags": {"type": "array"}}}
+    _, [call], _ = read(TOOL_PARSERS["glm45"]({"lookup": schema}), chunked(text, [30, 77]))
+    assert json.loads(call.arguments) == {"code": "123", "n": 7, "tags": ["a"]}
+    _, [call], _ = read(TOOL_PARSERS["glm45"](), [text])
+    assert json.loads(call.arguments) == {"code": 123, "n": 7, "tags": ["a"]}
+    _, [call], _ = read(TOOL_PARSERS["glm45"](), ["<tool_call>now\n</tool_call>"])
+    assert (call.name, call.arguments) == ("now", "{}")
