@@ -7,6 +7,7 @@ from moe_serve.server.tool_parsers.glm45 import Glm45Parser
 from moe_serve.server.tool_parsers.hermes import HermesParser
 from moe_serve.server.tool_parsers.llama3_json import Llama3JsonParser
 from moe_serve.server.tool_parsers.mistral import MistralParser
+from moe_serve.server.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
@@ -14,4 +15,5 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonParser,
     "deepseek_v3": DeepSeekV3Parser,
     "glm45": Glm45Parser,
+    "qwen3_coder": Qwen3CoderParser,
 }

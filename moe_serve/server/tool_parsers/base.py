@@ -64,6 +64,11 @@ def call_blocks(markup: str, i: int, begin: str,
     return calls
 
 
+def could_start(rest: str, mark: str) -> bool:
+    """rest is mark's beginning, or starts with mark: the markup may still go on as mark."""
+    return mark.startswith(rest) or rest.startswith(mark)
+
+
 def held_marker_length(text: str, marker: str) -> int:
     """How many characters at the end of text could be the beginning of marker."""
     for held in range(min(len(text), len(marker) - 1), 0, -1):

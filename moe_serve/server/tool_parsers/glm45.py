@@ -8,18 +8,14 @@
     </tool_call>
 
 one block per call, a string argument written as it is and any other as JSON (the template's
-`tojson`). The arguments are given as the JSON object of the pairs read so far, each pair added
-once its value is closed and the object closed with the call, so every read extends the last. A
-value is a string where the tool's parameter schema says so (type string, or an enum of strings);
-otherwise it is read as JSON, and as a string where it is not JSON (vLLM's glm45 parser does the
-same). Without the request's schemas a string that reads as JSON (a number, true) is taken as JSON.
+`tojson`), typed by the tool's schema (argument_values.py). The arguments are given as the JSON
+object of the pairs read so far, each pair added once its value is closed and the object closed
+with the call, so every read extends the last.
 """
 from __future__ import annotations
 
-import json
-from typing import Any
-
-from moe_serve.server.tool_parsers.base import MarkerParser, call_blocks
+from moe_serve.server.tool_parsers.argument_values import json_pair
+from moe_serve.server.tool_parsers.base import MarkerParser, call_blocks, could_start
 from moe_serve.server.tool_parsers.json_scan import PartialCall, skip_whitespace
 
 START, END = "<tool_call>", "</tool_call>"
@@ -39,7 +35,7 @@ class Glm45Parser(MarkerParser):
         if not ends:
             return None, i
         call = PartialCall(name=markup[i:min(ends)].strip())
-        schema = self.parameters.get(call.name) or {}
+        schema = self.parameters.get(call.name)
         pairs: list[str] = []
         j = skip_whitespace(markup, min(ends))
         while markup.startswith(KEY_OPEN, j):
@@ -47,14 +43,14 @@ class Glm45Parser(MarkerParser):
             value_at = skip_whitespace(markup, key_end + len(KEY_CLOSE)) if key_end >= 0 else -1
             value_end = markup.find(VALUE_CLOSE, value_at) if value_at >= 0 else -1
             if value_end < 0:  # unfinished, unless the value does not open where it must
-                call.broken = value_at >= 0 and not _could_start(markup[value_at:], VALUE_OPEN)
+                call.broken = value_at >= 0 and not could_start(markup[value_at:], VALUE_OPEN)
                 break
             if not markup.startswith(VALUE_OPEN, value_at):
                 call.broken = True
                 break
             key = markup[j + len(KEY_OPEN):key_end]
             value = markup[value_at + len(VALUE_OPEN):value_end]
-            pairs.append(f"{json.dumps(key, ensure_ascii=False)}: {_value_json(value, _property(schema, key))}")
+            pairs.append(json_pair(key, value, schema))
             j = skip_whitespace(markup, value_end + len(VALUE_CLOSE))
         call.arguments = "{" + ", ".join(pairs)
         if not call.broken and markup.startswith(END, j):
@@ -62,28 +58,6 @@ class Glm45Parser(MarkerParser):
             call.end = j + len(END)
             return call, skip_whitespace(markup, call.end)
         rest = markup[j:]
-        call.broken = call.broken or not (_could_start(rest, KEY_OPEN) or _could_start(rest, END))
+        call.broken = call.broken or not (could_start(rest, KEY_OPEN) or could_start(rest, END))
         return call, j
 
-
-def _could_start(rest: str, mark: str) -> bool:
-    """rest is mark's beginning, or starts with mark (more text may still complete it)."""
-    return mark.startswith(rest) or rest.startswith(mark)
-
-
-def _property(schema: dict[str, Any], key: str) -> dict[str, Any]:
-    properties = schema.get("properties")
-    return properties.get(key) or {} if isinstance(properties, dict) else {}
-
-
-def _value_json(value: str, schema: dict[str, Any]) -> str:
-    """The JSON text of one written argument value."""
-    kind = schema.get("type")
-    enum = schema.get("enum")
-    if kind == "string" or (isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum)):
-        return json.dumps(value, ensure_ascii=False)
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        return json.dumps(value, ensure_ascii=False)
-    return json.dumps(value, ensure_ascii=False) if isinstance(parsed, str) else value.strip()

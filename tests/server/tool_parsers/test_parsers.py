@@ -46,6 +46,14 @@ CASES = {
                "<arg_value>null</arg_value>\n</tool_call>\n<tool_call>get_time\n<arg_key>zone</arg_key>\n"
                "<arg_value>UTC</arg_value>\n</tool_call>"),
               "Checking.\n", "arg_"),
+    # as its template prints them: None in Python's spelling, read by the schema
+    "qwen3_coder": (TOOL_PARSERS["qwen3_coder"]({"get_weather": {"properties": {"city": {"type": "string"},
+                                                                             "unit": {"type": "null"}}}}),
+                    ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nPa\"ris }\n</parameter>\n"
+                     '<parameter=days>\n[1, {"x": "]"}]\n</parameter>\n<parameter=unit>\nNone\n</parameter>\n'
+                     "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n"
+                     "</parameter>\n</function>\n</tool_call>"),
+                    "Checking.\n", "parameter"),
     "required": (RequiredParser(),
                  f'[{{"name":"get_weather","parameters":{WEATHER_TEXT}}},{{"name":"get_time","parameters":{{"zone": "UTC"}}}}]',
                  "", "parameters"),
@@ -158,3 +166,11 @@ def test_glm45_values_take_their_types_from_the_tools_schemas() -> None:
     assert json.loads(call.arguments) == {"code": 123, "n": 7, "tags": ["a"]}
     _, [call], _ = read(TOOL_PARSERS["glm45"](), ["<tool_call>now\n</tool_call>"])
     assert (call.name, call.arguments) == ("now", "{}")
+
+
+def test_qwen3_coder_booleans_and_numbers_follow_the_schema() -> None:
+    text = ("<tool_call>\n<function=run>\n<parameter=dry>\nTrue\n</parameter>\n<parameter=n>\n3\n</parameter>\n"
+            "<parameter=note>\n  two lines\nkept  \n</parameter>\n</function>\n</tool_call>")
+    schema = {"properties": {"dry": {"type": "boolean"}, "n": {"type": "integer"}, "note": {"type": "string"}}}
+    _, [call], _ = read(TOOL_PARSERS["qwen3_coder"]({"run": schema}), chunked(text, [25, 60, 101]))
+    assert json.loads(call.arguments) == {"dry": True, "n": 3, "note": "  two lines\nkept  "}
