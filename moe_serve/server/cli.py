@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="reads tool calls out of the model's text for tool_choice 'auto': hermes (Qwen2.5, "
                              "Qwen3, the embedded default model), mistral, llama3_json, deepseek_v3, glm45 "
-                             "(GLM-4.5), qwen3_coder (Qwen3-Coder) (default: none, "
+                             "(GLM-4.5), qwen3_coder (Qwen3-Coder), minimax_m2 (default: none, "
                              "and 'auto' is a 400; 'required' and named functions work without one)")
     parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                         help="puts a chat answer's <think> section into reasoning_content: deepseek_r1 (the "

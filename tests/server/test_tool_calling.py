@@ -38,6 +38,8 @@ FAMILY_CALLS = {
                    + ARGUMENTS + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
     "glm45": (r"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>(Paris|Tokyo)</arg_value>\n"
               r"<arg_key>unit</arg_key>\n<arg_value>celsius</arg_value>\n</tool_call>"),
+    "minimax_m2": (r'<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">(Paris|Tokyo)'
+                   r'</parameter>\n<parameter name="unit">celsius</parameter>\n</invoke>\n</minimax:tool_call>'),
     "qwen3_coder": (r"<tool_call>\n<function=get_weather>\n<parameter=city>\n(Paris|Tokyo)\n</parameter>\n"
                     r"<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>"),
 }

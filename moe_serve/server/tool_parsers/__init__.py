@@ -6,6 +6,7 @@ from moe_serve.server.tool_parsers.deepseek_v3 import DeepSeekV3Parser
 from moe_serve.server.tool_parsers.glm45 import Glm45Parser
 from moe_serve.server.tool_parsers.hermes import HermesParser
 from moe_serve.server.tool_parsers.llama3_json import Llama3JsonParser
+from moe_serve.server.tool_parsers.minimax_m2 import MiniMaxM2Parser
 from moe_serve.server.tool_parsers.mistral import MistralParser
 from moe_serve.server.tool_parsers.qwen3_coder import Qwen3CoderParser
 
@@ -16,4 +17,5 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v3": DeepSeekV3Parser,
     "glm45": Glm45Parser,
     "qwen3_coder": Qwen3CoderParser,
+    "minimax_m2": MiniMaxM2Parser,
 }

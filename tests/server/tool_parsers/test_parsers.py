@@ -54,6 +54,12 @@ CASES = {
                      "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n"
                      "</parameter>\n</function>\n</tool_call>"),
                     "Checking.\n", "parameter"),
+    "minimax_m2": (TOOL_PARSERS["minimax_m2"](),
+                   ('Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Pa"ris }'
+                    '</parameter>\n<parameter name="days">[1, {"x": "]"}]</parameter>\n<parameter name="unit">null'
+                    '</parameter>\n</invoke>\n<invoke name="get_time">\n<parameter name="zone">UTC</parameter>\n'
+                    '</invoke>\n</minimax:tool_call>'),
+                   "Checking.\n", "invoke"),
     "required": (RequiredParser(),
                  f'[{{"name":"get_weather","parameters":{WEATHER_TEXT}}},{{"name":"get_time","parameters":{{"zone": "UTC"}}}}]',
                  "", "parameters"),
