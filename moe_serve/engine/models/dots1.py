@@ -11,16 +11,16 @@ from moe_serve.engine.models.family import (
     DENSE_MLP_RULES,
     Family,
     shared_experts_moe_rules,
+    windows_by_layer_type,
 )
 
 
 def _fields(hf: dict[str, Any]) -> dict[str, Any]:
-    window, types = hf.get("sliding_window"), hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
     return dict(
         **v3_moe_fields(hf),
         qkv_bias=bool(hf.get("attention_bias", False)),
         qk_norm="per_head",
-        attention_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        attention_windows=windows_by_layer_type(hf, hf.get("sliding_window")),
     )
 
 

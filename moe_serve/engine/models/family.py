@@ -121,10 +121,15 @@ def layer_type_windows(hf: dict[str, Any]) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
     if not (hf.get("use_sliding_window") and window):
         return uniform_windows(hf, None)
-    layer_types = hf.get("layer_types")
-    if layer_types is None:
+    if hf.get("layer_types") is None:
         raise ValueError("use_sliding_window without layer_types: re-save the config with transformers 5")
-    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return windows_by_layer_type(hf, window)
+
+
+def windows_by_layer_type(hf: dict[str, Any], window: int | None) -> tuple[int | None, ...]:
+    """`window` on the layers typed sliding_attention (every layer full where there are no types)."""
+    types = hf.get("layer_types") or ["full_attention"] * hf["num_hidden_layers"]
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 def sparse_step_layers(hf: dict[str, Any]) -> tuple[int, ...]:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from moe_serve.server.tool_parsers.base import could_start
+from moe_serve.server.tool_parsers.json_scan import PartialCall, skip_whitespace
+
 _PYTHON_LITERALS = {"True": "true", "False": "false", "None": "null"}
 
 
@@ -22,6 +25,21 @@ def property_schema(parameters: dict[str, Any] | None, key: str) -> dict[str, An
 def json_pair(key: str, value: str, parameters: dict[str, Any] | None) -> str:
     """'"key": value' of one argument written as text, for a tool whose parameters schema is `parameters`."""
     return f"{json.dumps(key, ensure_ascii=False)}: {argument_json(value, property_schema(parameters, key))}"
+
+
+def close_arguments(call: PartialCall, pairs: list[str], markup: str, j: int, close: str, more: str) -> int:
+    """Give call its arguments, the JSON object of `pairs` (its "key": value texts), closed where
+    markup at j closes the call with `close`, left open while it may still go on with `more` (the
+    next pair) or `close`, the call broken otherwise. Where the call's markup continues: past
+    `close` and whitespace, or j."""
+    call.arguments = "{" + ", ".join(pairs)
+    if not call.broken and markup.startswith(close, j):
+        call.arguments += "}"
+        call.end = j + len(close)
+        return skip_whitespace(markup, call.end)
+    rest = markup[j:]
+    call.broken = call.broken or not (could_start(rest, more) or could_start(rest, close))
+    return j
 
 
 def argument_json(value: str, schema: dict[str, Any]) -> str:

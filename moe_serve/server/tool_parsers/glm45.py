@@ -14,7 +14,7 @@ with the call, so every read extends the last.
 """
 from __future__ import annotations
 
-from moe_serve.server.tool_parsers.argument_values import json_pair
+from moe_serve.server.tool_parsers.argument_values import close_arguments, json_pair
 from moe_serve.server.tool_parsers.base import MarkerParser, call_blocks, could_start
 from moe_serve.server.tool_parsers.json_scan import PartialCall, skip_whitespace
 
@@ -52,12 +52,5 @@ class Glm45Parser(MarkerParser):
             value = markup[value_at + len(VALUE_OPEN):value_end]
             pairs.append(json_pair(key, value, schema))
             j = skip_whitespace(markup, value_end + len(VALUE_CLOSE))
-        call.arguments = "{" + ", ".join(pairs)
-        if not call.broken and markup.startswith(END, j):
-            call.arguments += "}"
-            call.end = j + len(END)
-            return call, skip_whitespace(markup, call.end)
-        rest = markup[j:]
-        call.broken = call.broken or not (could_start(rest, KEY_OPEN) or could_start(rest, END))
-        return call, j
+        return call, close_arguments(call, pairs, markup, j, END, KEY_OPEN)
 

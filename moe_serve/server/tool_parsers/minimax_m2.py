@@ -13,8 +13,8 @@ far, closed with the invoke. Its special tokens are kept: the block's tags are a
 """
 from __future__ import annotations
 
-from moe_serve.server.tool_parsers.argument_values import json_pair
-from moe_serve.server.tool_parsers.base import MarkerParser, call_blocks, could_start
+from moe_serve.server.tool_parsers.argument_values import close_arguments, json_pair
+from moe_serve.server.tool_parsers.base import MarkerParser, call_blocks
 from moe_serve.server.tool_parsers.json_scan import PartialCall, skip_whitespace
 
 START = "<minimax:tool_call>"
@@ -47,11 +47,4 @@ class MiniMaxM2Parser(MarkerParser):
             key = markup[j + len(PARAMETER_OPEN):key_end]
             pairs.append(json_pair(key, markup[key_end + len(TAG_END):value_end], schema))
             j = skip_whitespace(markup, value_end + len(PARAMETER_CLOSE))
-        call.arguments = "{" + ", ".join(pairs)
-        if markup.startswith(INVOKE_CLOSE, j):
-            call.arguments += "}"
-            call.end = j + len(INVOKE_CLOSE)
-            return call, skip_whitespace(markup, call.end)
-        rest = markup[j:]
-        call.broken = not (could_start(rest, PARAMETER_OPEN) or could_start(rest, INVOKE_CLOSE))
-        return call, j
+        return call, close_arguments(call, pairs, markup, j, INVOKE_CLOSE, PARAMETER_OPEN)

@@ -18,7 +18,7 @@ read so far, closed with the function.
 """
 from __future__ import annotations
 
-from moe_serve.server.tool_parsers.argument_values import json_pair
+from moe_serve.server.tool_parsers.argument_values import close_arguments, json_pair
 from moe_serve.server.tool_parsers.base import MarkerParser, call_blocks, could_start
 from moe_serve.server.tool_parsers.json_scan import PartialCall, skip_whitespace
 
@@ -54,14 +54,8 @@ class Qwen3CoderParser(MarkerParser):
             value = value.removeprefix("\n").removesuffix("\n")  # the template's own newlines
             pairs.append(json_pair(markup[j + len(PARAMETER_OPEN):key_end].strip(), value, schema))
             j = skip_whitespace(markup, value_end + len(PARAMETER_CLOSE))
-        call.arguments = "{" + ", ".join(pairs)
-        if markup.startswith(FUNCTION_CLOSE, j):
-            call.arguments += "}"
-            k = skip_whitespace(markup, j + len(FUNCTION_CLOSE))
-            if markup.startswith(END, k):
-                k += len(END)
-            call.end = k
-            return call, skip_whitespace(markup, k)
-        rest = markup[j:]
-        call.broken = not (could_start(rest, PARAMETER_OPEN) or could_start(rest, FUNCTION_CLOSE))
+        j = close_arguments(call, pairs, markup, j, FUNCTION_CLOSE, PARAMETER_OPEN)
+        if call.end is not None and markup.startswith(END, j):  # the block closes after its function
+            call.end = j + len(END)
+            j = skip_whitespace(markup, call.end)
         return call, j
