@@ -16,9 +16,9 @@ GROUPED_MIN_PAIRS = 16
 
 def swiglu_expert(x: torch.Tensor, row: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """One expert over its tokens: x [N, H] -> [N, H]. A quantized row is decoded first (the reference
-    dequantization, into x's dtype)."""
-    gate, up = F.linear(x, layout.gate_up(row)).chunk(2, dim=-1)  # [N, I] each
-    return F.linear(F.silu(gate) * up, layout.down(row))
+    dequantization, into x's dtype); the layout's biases (None without) and activation apply."""
+    gate, up = F.linear(x, layout.gate_up(row), layout.bias(row, "gate_up")).chunk(2, dim=-1)  # [N, I] each
+    return F.linear(layout.activation(gate, up), layout.down(row), layout.bias(row, "down"))
 
 
 def accumulate_experts(
@@ -91,13 +91,19 @@ def gathered_experts_torch(
     layout: ExpertLayout,
 ) -> torch.Tensor:
     """The reference and CPU path of gathered_experts: copy the T*k weight rows out of their
-    expert slots (decoding quantized ones), then two batched matmuls."""
+    expert slots (decoding quantized ones), then two batched matmuls (biases added before the
+    routing weights apply, as each expert's own output)."""
     t, k = expert_slot_ids.shape
     h = layout.hidden_size
     rows = expert_slots.index_select(0, expert_slot_ids.reshape(-1))  # [T*k, numel]
-    gate_up = layout.gate_up(rows)  # [T*k, 2I, H]
-    down = layout.down(rows)  # [T*k, H, I]
     xk = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-    gate, up = torch.bmm(gate_up, xk).squeeze(-1).chunk(2, dim=-1)  # [T*k, I] each
-    y = torch.bmm(down, (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)  # [T*k, H]
+    gate, up = _batched_projection(layout, rows, "gate_up", xk).chunk(2, dim=-1)  # [T*k, I] each
+    y = _batched_projection(layout, rows, "down", layout.activation(gate, up).unsqueeze(-1))  # [T*k, H]
     return (y.view(t, k, h) * expert_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1)  # [T, H]
+
+
+def _batched_projection(layout: ExpertLayout, rows: torch.Tensor, matrix: str, v: torch.Tensor) -> torch.Tensor:
+    """Each row's matrix [T*k, N, K] (decoded) times its vector v [T*k, K, 1], plus its bias: [T*k, N]."""
+    bias = layout.bias(rows, matrix)  # [T*k, N] or None
+    w = layout.weights(rows, matrix)
+    return (torch.bmm(w, v) if bias is None else torch.baddbmm(bias.unsqueeze(-1), w, v)).squeeze(-1)

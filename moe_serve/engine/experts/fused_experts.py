@@ -5,10 +5,12 @@ buffer before two batched matmuls: at decode that copy moves as many bytes as th
 These two Triton kernels are memory-bound GEMVs that read the selected slots where they lie:
 
 1. `_gate_up_kernel`, one program per (token, j-th expert, block of I rows):
-   act = silu(gate_rows · x) * (up_rows · x), fp32, into act [T*k, I];
+   act = activation(gate_rows · x, up_rows · x), fp32, into act [T*k, I] (the layout's
+   activation.py activation, silu(gate) * up but for gpt-oss; its biases added to both dots first);
 2. `_down_kernel`, one program per (token, block of H outputs, chunk of I), looping over the
    token's k experts: y = sum_j weight_j * down_j[h_block, i_chunk] · act_j[i_chunk], so the
-   routing weights and the sum over k are folded in, in a fixed order (deterministic: no atomics).
+   routing weights and the sum over k are folded in, in a fixed order (deterministic: no atomics);
+   an expert's down bias is added to its sum by the programs of the first chunk only.
    A model of few outputs and a wide I (the Mixtral-size bench model: H 256, I 229,120) gives too
    few programs to fill the GPU with whole rows, so I is cut into chunks (`down_splits`), each
    program's sum goes to a partial [splits, T, H], and `sum_partials` adds them in a fixed order.
@@ -36,6 +38,8 @@ from moe_serve.engine.experts.layout import ExpertLayout
 try:
     import triton
     import triton.language as tl
+
+    from moe_serve.engine.experts.activation import gated_activation
 except ImportError:  # no triton: compute.py keeps the torch path
     triton = None
 
@@ -129,7 +133,8 @@ def fused_experts(
     if t * k:  # k == 0 (every expert of the token left to the CPU): the down kernel writes zeros
         _gate_up_kernel[(t * k, triton.cdiv(i, cfg.gate_up_rows))](
             x_ptr=x, **_with_dot(layout, slots, "gate_up"), ids_ptr=ids, act_ptr=act, H=h, I=i, K=k,
-            BLOCK_I=cfg.gate_up_rows, BLOCK_H=cfg.gate_up_cols, num_warps=cfg.gate_up_warps,
+            BLOCK_I=cfg.gate_up_rows, BLOCK_H=cfg.gate_up_cols, **layout.activation.kernel_args,
+            num_warps=cfg.gate_up_warps,
         )
     row_blocks = triton.cdiv(h, cfg.down_rows)
     splits = cfg.down_splits or down_splits(t * row_blocks, i, cfg.down_cols)
@@ -158,11 +163,15 @@ def sum_partials(partial: torch.Tensor, out: torch.Tensor, k: int) -> None:
 
 def matrix_operands(layout: ExpertLayout, slots: torch.Tensor, matrix: str) -> dict:
     """The expert kernels' arguments for one matrix ('gate_up' or 'down'): the slots [S, numel] as
-    its data and as its scales, their row strides, where its sections start, and its format's load
-    with the order of a loaded tile's columns."""
+    its data, its scales and its bias, their row strides, where its sections start, its format's load
+    with the order of a loaded tile's columns, and whether it has a bias (without, the bias pointer
+    and stride are None: compile-time constants, so the kernels compile as if they had none)."""
     w, s = layout.kernel_views(slots, matrix)  # [S, *]
-    return {"w_ptr": w, "s_ptr": s, "row_stride": w.stride(0), "scale_stride": s.stride(0),
+    b = layout.bias_kernel_view(slots)  # [S, *] or None
+    return {"w_ptr": w, "s_ptr": s, "b_ptr": b, "row_stride": w.stride(0), "scale_stride": s.stride(0),
+            "bias_stride": None if b is None else b.stride(0),
             "DATA": layout.element_offset(matrix), "SCALES": layout.element_offset(matrix + ".scales"),
+            "BIAS": layout.element_offset(matrix + ".bias"), "BIASES": layout.biases,
             "LOAD": layout.format_of(matrix).triton_load, "COLS": layout.format_of(matrix).triton_cols}
 
 
@@ -177,10 +186,12 @@ def _with_dot(layout: ExpertLayout, slots: torch.Tensor, matrix: str) -> dict:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr,
-                        I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
-                        DOT: tl.constexpr, USE_DOT: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, act_ptr, row_stride, scale_stride, bias_stride,
+                        H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr,
+                        SCALES: tl.constexpr, BIAS: tl.constexpr, BIASES: tl.constexpr, BLOCK_I: tl.constexpr,
+                        BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr, DOT: tl.constexpr,
+                        USE_DOT: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA: tl.constexpr,
+                        LIMIT: tl.constexpr):
         pair = tl.program_id(0)  # token * K + j
         token = pair // K
         slot = tl.load(ids_ptr + pair).to(tl.int64)  # int64: slot * row_stride passes 2**31 on big caches
@@ -207,13 +218,18 @@ if triton is not None:
                 acc_up += up.to(tl.float32) * xv[None, :]
             g = tl.sum(acc_gate, axis=1)  # [BLOCK_I]
             u = tl.sum(acc_up, axis=1)
-        tl.store(act_ptr + pair * I + rows, g * tl.sigmoid(g) * u, mask=row_ok)
+        if BIASES:  # gate_up's bias [2I], gate's first
+            bias_ptr = b_ptr + slot * bias_stride + BIAS
+            g += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            u += tl.load(bias_ptr + I + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(act_ptr + pair * I + rows, gated_activation(g, u, CLAMPED_SWIGLU, ALPHA, LIMIT), mask=row_ok)
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, s_ptr, ids_ptr, weights_ptr, out_ptr, row_stride, scale_stride, i_chunk,
-                     H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, PARTIAL: tl.constexpr, LOAD: tl.constexpr,
-                     COLS: tl.constexpr, DOT: tl.constexpr, USE_DOT: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, ids_ptr, weights_ptr, out_ptr, row_stride, scale_stride,
+                     bias_stride, i_chunk, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr,
+                     SCALES: tl.constexpr, BIAS: tl.constexpr, BIASES: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_I: tl.constexpr, PARTIAL: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
+                     DOT: tl.constexpr, USE_DOT: tl.constexpr):
         token = tl.program_id(0)
         rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs
         row_ok = rows < H
@@ -239,6 +255,9 @@ if triton is not None:
                     w = LOAD(down_ptr, scale_ptr, rows, row_ok, i0, I, BLOCK_I, False, "evict_first")  # [BLOCK_H, BLOCK_I]
                     acc += w.to(tl.float32) * a[None, :]
                 dots = tl.sum(acc, axis=1)
+            if BIASES:  # noqa: SIM102 - a compile-time test: without biases, b_ptr (None) must not be compiled in
+                if tl.program_id(2) == 0:  # down's bias [H], part of the expert's output: added by one chunk
+                    dots += tl.load(b_ptr + slot * bias_stride + BIAS + rows, mask=row_ok, other=0.0).to(tl.float32)
             y += tl.load(weights_ptr + pair).to(tl.float32) * dots
         if PARTIAL:  # out_ptr is the fp32 partial [splits, T, H]
             tl.store(out_ptr + (tl.program_id(2) * tl.num_programs(0) + token) * H + rows, y, mask=row_ok)

@@ -9,12 +9,13 @@ weight tile once for up to BLOCK_M tokens with tl.dot:
 0. `_align_kernel`, one program: a stable sort of the pairs by slot, and each block's slot, first
    pair and row count. The number of blocks depends on the routing, so the kernels below launch
    for its upper bound and programs past the real count (read on the device) exit at once;
-1. `_gate_up_kernel`, one program per (block, tile of I): act = silu(x·gate^T) * (x·up^T), fp32
-   accumulation, stored per pair in x's dtype (tl.dot's operands must match: the torch path
+1. `_gate_up_kernel`, one program per (block, tile of I): act = activation(x·gate^T, x·up^T) (the
+   layout's, activation.py: silu(gate) * up but for gpt-oss, whose biases are added to both first),
+   fp32 accumulation, stored per pair in x's dtype (tl.dot's operands must match: the torch path
    rounds act the same way);
 2. `_down_kernel`, one program per (block, tile of H, chunk of I): y = weight * act·down^T over
    the chunk, fp32, per pair (I is cut into chunks where the blocks and H's tiles alone are too few
-   programs, as in fused_experts.py);
+   programs, as in fused_experts.py; a down bias is added, before the weight, in the first chunk only);
 3. `fused_experts.sum_partials`, one program per (token, tile of H): the k pairs and the chunks
    summed in routing order (deterministic, no atomics), cast to x's dtype once.
 
@@ -45,6 +46,8 @@ from moe_serve.engine.experts.layout import ExpertLayout
 try:
     import triton
     import triton.language as tl
+
+    from moe_serve.engine.experts.activation import gated_activation
 except ImportError:  # no triton: compute.py keeps the torch path
     triton = None
 
@@ -198,7 +201,7 @@ def grouped_experts(
         x_ptr=x, **_with_codes(layout, slots, "gate_up", h, cfg.gate_up_block_h, x.dtype), **pairs, act_ptr=act,
         H=h, I=i, K=k,
         BLOCK_M=cfg.block_m, BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
-        num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
+        **layout.activation.kernel_args, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
     )
     _down_kernel[(grid_blocks, h_tiles, splits)](
         act_ptr=act, **_with_codes(layout, slots, "down", i, cfg.down_block_i, act.dtype),
@@ -264,11 +267,13 @@ if triton is not None:
         return slot, pairs, pair_ok
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
-                        num_blocks_ptr, act_ptr, row_stride, scale_stride, H: tl.constexpr, I: tl.constexpr,
-                        K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
-                        CODES: tl.constexpr, USE_CODES: tl.constexpr):
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
+                        num_blocks_ptr, act_ptr, row_stride, scale_stride, bias_stride, H: tl.constexpr,
+                        I: tl.constexpr, K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
+                        BIAS: tl.constexpr, BIASES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                        BLOCK_H: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr, CODES: tl.constexpr,
+                        USE_CODES: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA: tl.constexpr,
+                        LIMIT: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):  # the grid is launched for the most blocks any routing needs
             return
@@ -297,16 +302,21 @@ if triton is not None:
                 up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
                 acc_gate = tl.dot(xt, gate, acc_gate, input_precision="ieee")  # "ieee": fp32 stays fp32, not tf32
                 acc_up = tl.dot(xt, up, acc_up, input_precision="ieee")
-        act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # [BLOCK_M, BLOCK_I]
+        if BIASES:  # gate_up's bias [2I], gate's first
+            bias_ptr = b_ptr + slot * bias_stride + BIAS
+            acc_gate += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_ptr + I + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        act = gated_activation(acc_gate, acc_up, CLAMPED_SWIGLU, ALPHA, LIMIT)  # [BLOCK_M, BLOCK_I]
         tl.store(act_ptr + pairs[:, None] * I + rows[None, :], act.to(act_ptr.dtype.element_ty),
                  mask=pair_ok[:, None] & row_ok[None, :])
 
     @triton.jit
-    def _down_kernel(act_ptr, w_ptr, s_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
-                     num_blocks_ptr, y_ptr, pair_count, i_chunk, row_stride, scale_stride, H: tl.constexpr,
-                     I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
-                     CODES: tl.constexpr, USE_CODES: tl.constexpr):
+    def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr,
+                     block_rows_ptr, num_blocks_ptr, y_ptr, pair_count, i_chunk, row_stride, scale_stride,
+                     bias_stride, H: tl.constexpr, I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
+                     BIAS: tl.constexpr, BIASES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr, CODES: tl.constexpr,
+                     USE_CODES: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):
             return
@@ -330,6 +340,9 @@ if triton is not None:
                 # [BLOCK_I, BLOCK_H]: a transposed view of the down rows, decoded into act's dtype
                 w = LOAD(down_ptr, scale_ptr, outs, out_ok, i0, I, BLOCK_I, True, "").to(a.dtype)
                 acc = tl.dot(a, w, acc, input_precision="ieee")
+        if BIASES:  # noqa: SIM102 - a compile-time test: without biases, b_ptr (None) must not be compiled in
+            if tl.program_id(2) == 0:  # down's bias [H], part of the expert's output: added by one chunk of I
+                acc += tl.load(b_ptr + slot * bias_stride + BIAS + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
         weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
         tl.store(y_ptr + (tl.program_id(2) * pair_count + pairs[:, None]) * H + outs[None, :], acc * weight[:, None],
                  mask=pair_ok[:, None] & out_ok[None, :])

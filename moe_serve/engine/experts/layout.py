@@ -2,9 +2,10 @@
 
 A row holds the fused gate+up projection [2I, H] (gate rows first) and the down projection
 [H, I], each encoded by its format (formats/: one for both, or the down projection's own, as a
-GGUF Q4_K_M file keeps some layers' ffn_down in Q6_K), then their scales if the formats have any:
+GGUF Q4_K_M file keeps some layers' ffn_down in Q6_K), then their scales if the formats have any,
+then, for experts with biases (gpt-oss), gate_up's [2I] and down's [H] in the compute dtype:
 
-    [gate_up data | down data | gate_up scales | down scales]
+    [gate_up data | down data | gate_up scales | down scales | gate_up bias | down bias]
 
 Each section starts on a 16-byte boundary and the row is padded to one, so in any row of a
 [S, row] allocation every section views as its own dtype (and the kernels' loads stay aligned).
@@ -13,15 +14,17 @@ store, the cache and the copies only ever see rows; compute decodes them through
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
 
+from moe_serve.engine.experts.activation import ExpertActivation
 from moe_serve.engine.experts.formats.base import ExpertFormat
 from moe_serve.engine.experts.formats.plain import Plain
 
 MATRICES = ("gate_up", "down")
+BIAS_SUFFIX = "_bias"  # write()'s part names of biases: gate_bias, up_bias, gate_up_bias, down_bias
 _ALIGN = 16
 
 
@@ -55,6 +58,8 @@ class ExpertLayout:
     dtype: torch.dtype  # the compute dtype: activations, and what the weights decode to
     format: ExpertFormat | None = None  # None: Plain(dtype), the weights stored as they are computed
     down_format: ExpertFormat | None = None  # the down projection's, where it differs; None: `format`
+    activation: ExpertActivation = field(default_factory=ExpertActivation)  # what gate and up give down
+    biases: bool = False  # each projection adds a bias (gpt-oss): the 'gate_up.bias' and 'down.bias' sections
 
     def __post_init__(self) -> None:
         if self.format is None:
@@ -84,8 +89,15 @@ class ExpertLayout:
 
     @cached_property
     def sections(self) -> dict[str, Section]:
-        """'gate_up', 'down' and, where their formats have scales, 'gate_up.scales', 'down.scales'."""
+        """'gate_up', 'down', where their formats have scales 'gate_up.scales', 'down.scales', and
+        with biases 'gate_up.bias' [1, 2I], 'down.bias' [1, H]."""
         found, offset = {}, 0
+
+        def add(name: str, rows: int, cols: int, dtype: torch.dtype) -> None:
+            nonlocal offset
+            found[name] = Section(offset, rows, cols, dtype)
+            offset = _aligned(offset + found[name].nbytes)
+
         for scales in (False, True):
             for matrix in MATRICES:
                 fmt, (n, k) = self.format_of(matrix), self.shape(matrix)
@@ -93,10 +105,13 @@ class ExpertLayout:
                 if dtype is None:
                     continue
                 fmt.check_shape(n // 2 if matrix == "gate_up" else n, k)  # gate and up are encoded apart
-                section = (Section(offset, fmt.scale_rows(n), fmt.scale_cols(k), dtype) if scales
-                           else Section(offset, n, fmt.data_cols(k), dtype))
-                found[matrix + (".scales" if scales else "")] = section
-                offset = _aligned(offset + section.nbytes)
+                if scales:
+                    add(matrix + ".scales", fmt.scale_rows(n), fmt.scale_cols(k), dtype)
+                else:
+                    add(matrix, n, fmt.data_cols(k), dtype)
+        if self.biases:  # never quantized: one vector an expert, nothing worth saving, added in the compute dtype
+            for matrix in MATRICES:
+                add(matrix + ".bias", 1, self.shape(matrix)[0], self.dtype)
         return found
 
     # row_dtype, nbytes and numel are read per copied expert (ExpertStore.row); a layout is frozen,
@@ -134,10 +149,20 @@ class ExpertLayout:
         """The down projection, [..., H, I]."""
         return self.weights(rows, "down")
 
+    def bias(self, rows: torch.Tensor, matrix: str) -> torch.Tensor | None:
+        """rows [..., numel] -> the bias of 'gate_up' [..., 2I] (gate's first) or 'down' [..., H], a
+        view of the row; None where the layout has no biases."""
+        section = self.sections.get(matrix + ".bias")
+        return None if section is None else section.view(rows)[..., 0, :]
+
     def write(self, rows: torch.Tensor, part: str, w: torch.Tensor) -> None:
         """Encode HF-shaped weights of one part into rows [..., numel]: gate or up [..., I, H], down
-        [..., H, I] or gate_up [..., 2I, H]. A format's rows (or blocks of rows) are independent, so
-        parts encode apart."""
+        [..., H, I] or gate_up [..., 2I, H]; or store a bias: gate_bias or up_bias [..., I],
+        gate_up_bias [..., 2I], down_bias [..., H]. A format's rows (or blocks of rows) are
+        independent, so parts encode apart."""
+        if part.endswith(BIAS_SUFFIX):
+            self._write_bias(rows, part.removesuffix(BIAS_SUFFIX), w)
+            return
         matrix, span = self._part(part)
         expected = (*self.sections[matrix].view(rows)[..., span, :].shape[:-1], self.shape(matrix)[1])
         if tuple(w.shape) != expected:
@@ -162,6 +187,16 @@ class ExpertLayout:
                                  f"expected {tuple(dst.shape)} {dst.dtype}")
             dst.copy_(src)
 
+    def _write_bias(self, rows: torch.Tensor, part: str, b: torch.Tensor) -> None:
+        matrix, span = self._part(part)
+        section = self.sections.get(matrix + ".bias")
+        if section is None:
+            raise ValueError(f"{part}{BIAS_SUFFIX} given for experts without biases")
+        dst = section.view(rows)[..., 0, span]
+        if tuple(b.shape) != tuple(dst.shape):
+            raise ValueError(f"expert bias has shape {tuple(b.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(b)
+
     def _part(self, part: str) -> tuple[str, slice]:
         """The matrix a part lives in and its rows there: gate and up are the halves of gate_up."""
         matrix = "down" if part == "down" else "gate_up"
@@ -185,6 +220,11 @@ class ExpertLayout:
         fmt, raw = self.format_of(matrix), expert_slots.view(torch.uint8)
         data = raw.view(fmt.data_dtype)
         return data, data if fmt.scale_dtype is None else raw.view(fmt.scale_dtype)
+
+    def bias_kernel_view(self, expert_slots: torch.Tensor) -> torch.Tensor | None:
+        """expert_slots [S, numel] as elements of the biases' dtype, which the kernels index with
+        element_offset; None without biases (the kernels then compile without them)."""
+        return expert_slots.view(torch.uint8).view(self.dtype) if self.biases else None
 
     @property
     def format_names(self) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moe_serve.engine.experts.layout import ExpertLayout
+from moe_serve.engine.experts.layout import BIAS_SUFFIX, ExpertLayout
 
 
 class ExpertStore:
@@ -112,18 +112,28 @@ class ExpertStore:
         gate: torch.Tensor | None = None,
         up: torch.Tensor | None = None,
         down: torch.Tensor | None = None,
+        gate_bias: torch.Tensor | None = None,
+        up_bias: torch.Tensor | None = None,
+        down_bias: torch.Tensor | None = None,
     ) -> None:
-        """Write any of one expert's HF-shaped weights (gate/up [I, H], down [H, I]); the loader streams them one by one."""
+        """Write any of one expert's HF-shaped weights (gate/up [I, H], down [H, I]) and, for a layout
+        with biases, biases (gate/up [I], down [H]); the loader streams them one by one."""
         row = self.row(layer, expert)
-        for part, src in (("gate", gate), ("up", up), ("down", down)):
+        for part, src in (("gate", gate), ("up", up), ("down", down), ("gate_bias", gate_bias),
+                          ("up_bias", up_bias), ("down_bias", down_bias)):
             if src is not None:
                 self._write(layer, row, part, src)
 
     def put_fused(self, layer: int, *, gate_up: torch.Tensor | None = None, gate: torch.Tensor | None = None,
-                  up: torch.Tensor | None = None, down: torch.Tensor | None = None) -> None:
+                  up: torch.Tensor | None = None, down: torch.Tensor | None = None,
+                  gate_up_bias: torch.Tensor | None = None, gate_bias: torch.Tensor | None = None,
+                  up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
         """Write all experts of a layer from 3-D tensors: transformers 5's fused gate_up [E, 2I, H] and
-        down [E, H, I], or GGUF's gate and up [E, I, H] apart."""
-        for part, src in (("gate_up", gate_up), ("gate", gate), ("up", up), ("down", down)):
+        down [E, H, I], or GGUF's gate and up [E, I, H] apart; biases, for a layout with them, from
+        2-D ones (gate_up [E, 2I], gate/up [E, I], down [E, H])."""
+        for part, src in (("gate_up", gate_up), ("gate", gate), ("up", up), ("down", down),
+                          ("gate_up_bias", gate_up_bias), ("gate_bias", gate_bias), ("up_bias", up_bias),
+                          ("down_bias", down_bias)):
             if src is None:
                 continue
             if src.shape[0] != self.num_experts:
@@ -133,7 +143,8 @@ class ExpertStore:
 
     def _write(self, layer: int, row: torch.Tensor, part: str, w: torch.Tensor) -> None:
         layout = self.layouts[layer]
-        if self.encode_on is not None and any(fmt.name != "none" for fmt in layout.formats):
+        encoded = not part.endswith(BIAS_SUFFIX)  # biases are stored as given, in the compute dtype
+        if self.encode_on is not None and encoded and any(fmt.name != "none" for fmt in layout.formats):
             w = w.to(self.encode_on)  # write() copies the encoded bytes back into the row
         layout.write(row, part, w)
 

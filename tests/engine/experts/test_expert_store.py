@@ -40,6 +40,23 @@ def test_fused_put_equals_per_expert_puts() -> None:
     assert fused.rows.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("quant", ["none", "int4"])
+def test_biases_put_per_expert_or_fused_land_in_the_rows(quant) -> None:
+    layout = ExpertLayout(H, I, torch.bfloat16, expert_format(quant, torch.bfloat16), biases=True)
+    per_expert, fused = ExpertStore(1, E, layout), ExpertStore(1, E, layout)
+    g = torch.Generator().manual_seed(2)
+    gate_bias, up_bias, down_bias = (torch.randn(E, n, generator=g) for n in (I, I, H))
+    for e, (gate, up, down) in enumerate(_weights(e) for e in range(E)):
+        per_expert.put(0, e, gate=gate, up=up, down=down, gate_bias=gate_bias[e], up_bias=up_bias[e],
+                       down_bias=down_bias[e])
+        fused.put(0, e, gate=gate, up=up, down=down)
+    fused.put_fused(0, gate_up_bias=torch.cat([gate_bias, up_bias], dim=-1), down_bias=down_bias)  # [E, 2I], [E, H]
+    assert torch.equal(fused.rows, per_expert.rows)
+    rows = fused.rows[0]
+    assert torch.equal(layout.bias(rows, "gate_up"), torch.cat([gate_bias, up_bias], dim=-1).bfloat16())
+    assert torch.equal(layout.bias(rows, "down"), down_bias.bfloat16())
+
+
 def test_misshaped_weight_is_refused() -> None:
     store = ExpertStore(1, E, ExpertLayout(H, I, torch.float32))
     with pytest.raises(ValueError, match="shape"):

@@ -29,7 +29,10 @@ from moe_serve.engine.experts.fused_experts import (
     fused_experts_available,
 )
 from tests.engine.experts.slot_rows import (
+    GPT_OSS_EXPERTS,
+    GPT_OSS_INPUT_SCALE,
     MIXED_FORMATS,
+    clamp_binds,
     decoded_reference,
     fitted_cases,
     followed_by_nans,
@@ -54,13 +57,21 @@ QUANT_CASES = [(37, 19, 3, 2), (256, 64, 2, 2)]
 QUANT_DEFAULT_TILE_CASES = [(40, 33, 1, 4)]
 # (256, 4096, 1, 2): H's 32 row blocks of 8 leave I in chunks (down_splits), as on the bench model
 CUDA_CASES = [(256, 128, 1, 8), (256, 128, 3, 8), (200, 72, 4, 2), (2048, 1024, 1, 8), (256, 4096, 1, 2)]
+# gpt-oss's experts (biases, the clamped SwiGLU): TINY cuts I = 19 into 3 chunks, of which one adds
+# the down bias
+GPT_OSS_CASES = [(37, 19, 3, 2)]
+# on a GPU, in bf16: the second with I in chunks
+GPT_OSS_CUDA_CASES = [(200, 72, 4, 2), (256, 4096, 1, 2)]
 
 
-def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none"):
+def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none",
+             gpt_oss: bool = False):
     gen = torch.Generator().manual_seed(seed)
-    layout = quant_layout(h, i, dtype, quant)
+    layout = quant_layout(h, i, dtype, quant, **(GPT_OSS_EXPERTS if gpt_oss else {}))
     slots = random_slots(layout, 5, gen)  # [S, numel]
     x = torch.randn(t, h, generator=gen)  # [T, H]
+    if gpt_oss:
+        x *= GPT_OSS_INPUT_SCALE  # the clamps bind
     ids = torch.randint(0, 5, (t, k), generator=gen)  # [T, k]
     if k > 1:
         ids[0, -1] = ids[0, 0]  # the same slot twice in one token
@@ -72,11 +83,13 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
 
 
 def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none",
-                      default_tile_cases: list[tuple[int, int, int, int]] = ()) -> None:
+                      default_tile_cases: list[tuple[int, int, int, int]] = (), gpt_oss: bool = False) -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels on CPU tensors vs torch, under
-    small tiles and the default ones (`default_tile_cases`: the default ones only)."""
+    small tiles and the default ones (`default_tile_cases`: the default ones only); gpt_oss: its
+    experts' biases and clamped SwiGLU."""
     for (h, i, t, k), configs in tile_plan(cases, default_tile_cases, lambda h, i: TINY if max(h, i) <= 64 else NARROW):
-        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant)
+        layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cpu", quant=quant, gpt_oss=gpt_oss)
+        assert not gpt_oss or clamp_binds(layout, slots, x, ids)
         expected = gathered_experts_torch(x, weights, slots, ids, layout)  # [T, H]
         for config in configs:
             got = fused_experts(x, weights, slots, ids, layout, config=config)
@@ -98,6 +111,16 @@ def test_interpreter_matches_torch_path():
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
     run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r}, "
                               f"{json.dumps(fitted_cases(QUANT_DEFAULT_TILE_CASES, quant))})")
+
+
+@needs_triton
+@pytest.mark.parametrize("quant,small_tiles", [("none", True), ("int4", True), ("mxfp4", False)])
+def test_interpreter_gpt_oss_experts_match_torch_path(quant, small_tiles):
+    """Biases and the clamped SwiGLU through the tile loads (none, mxfp4, gpt-oss's published format:
+    under the default tiles only, TINY's take 4 s there) and int4's tile dot."""
+    cases = fitted_cases(GPT_OSS_CASES, quant)
+    run_interpreted(__file__, f"check_interpreted({json.dumps(cases if small_tiles else [])}, {quant!r}, "
+                              f"{json.dumps([] if small_tiles else cases)}, gpt_oss=True)")
 
 
 def test_down_splits_cut_a_wide_I_into_whole_tiles_until_the_programs_fill_the_gpu():
@@ -135,6 +158,24 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     torch.testing.assert_close(fused, gathered_experts_torch(x, weights, slots, ids, layout), rtol=5e-2, atol=5e-2)
     if t * k < GROUPED_MIN_PAIRS:  # from there on the dispatch takes the grouped kernel (its own tests)
         assert torch.equal(gathered_experts(x, weights, slots, ids, layout), fused)
+
+
+@needs_cuda
+@pytest.mark.parametrize("quant", ["none", "int4", "mxfp4"])
+@pytest.mark.parametrize("h,i,t,k", GPT_OSS_CUDA_CASES)
+def test_cuda_bf16_gpt_oss_experts_match_torch_path(h, i, t, k, quant):
+    (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)
+    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant, gpt_oss=True)
+    assert clamp_binds(layout, slots, x, ids)
+    exact_layout, exact_slots = decoded_reference(layout, slots, torch.float32)  # biases and activation kept
+    exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
+    fused = fused_experts(x, weights, slots, ids, layout)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (t, h)
+    torch.testing.assert_close(fused.float(), exact, rtol=1.6e-2, atol=1e-2)  # only the final cast rounds
+    scale = exact.abs().max().item()  # bf16's torch path rounds gate, up and act: errors grow with them
+    torch.testing.assert_close(fused, gathered_experts_torch(x, weights, slots, ids, layout), rtol=5e-2,
+                               atol=1e-2 * scale)
+    assert torch.equal(gathered_experts(x, weights, slots, ids, layout), fused)  # the dispatch takes it
 
 
 @needs_cuda

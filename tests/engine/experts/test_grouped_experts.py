@@ -24,7 +24,10 @@ from moe_serve.engine.experts.compute import (
 )
 from moe_serve.engine.experts.formats import FORMAT_NAMES
 from tests.engine.experts.slot_rows import (
+    GPT_OSS_EXPERTS,
+    GPT_OSS_INPUT_SCALE,
     MIXED_FORMATS,
+    clamp_binds,
     decoded_reference,
     fitted_cases,
     followed_by_nans,
@@ -54,13 +57,21 @@ LAYOUT_CASES = [(1, 1, 1, 16), (17, 4, 9, 16), (64, 2, 8, 16), (32, 8, 64, 16), 
                 (64, 8, 2, 16)]
 # (256, 4096, 13, 2): H's 4 tiles leave I in chunks (fused_experts.down_splits), as a verify pass of the bench model
 CUDA_CASES = [(256, 128, 32, 2), (200, 72, 17, 4), (2048, 1024, 32, 2), (2048, 1024, 8, 8), (256, 4096, 13, 2)]
+# gpt-oss's experts (biases, the clamped SwiGLU): the tiny tiles cut I = 19 (mxfp4's 32) into 2 chunks,
+# of which one adds the down bias
+GPT_OSS_CASES = [(37, 19, 5, 2)]
+# on a GPU, in bf16: the second with I in chunks
+GPT_OSS_CUDA_CASES = [(200, 72, 17, 4), (256, 4096, 13, 2)]
 
 
-def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none"):
+def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none",
+             gpt_oss: bool = False):
     gen = torch.Generator().manual_seed(seed)
-    layout = quant_layout(h, i, dtype, quant)
+    layout = quant_layout(h, i, dtype, quant, **(GPT_OSS_EXPERTS if gpt_oss else {}))
     slots = random_slots(layout, NUM_SLOTS, gen)  # [S, numel]
     x = torch.randn(t, h, generator=gen)  # [T, H]
+    if gpt_oss:
+        x *= GPT_OSS_INPUT_SCALE  # the clamps bind
     ids = torch.randint(0, USED_SLOTS, (t, k), generator=gen)  # [T, k]: slots repeat across tokens
     if k:
         ids[:, 0] = SHARED_SLOT
@@ -80,13 +91,17 @@ def tiny_config():
 
 
 def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none",
-                      default_tile_cases: list[tuple[int, int, int, int]] = (), dtype: str = "float32") -> None:
+                      default_tile_cases: list[tuple[int, int, int, int]] = (), dtype: str = "float32",
+                      gpt_oss: bool = False) -> None:
     """Run in the subprocess, with TRITON_INTERPRET=1: fp32 kernels (or fp16's) on CPU tensors vs
-    torch, under small tiles and the default ones (`default_tile_cases`: the default ones only)."""
+    torch, under small tiles and the default ones (`default_tile_cases`: the default ones only);
+    gpt_oss: its experts' biases and clamped SwiGLU."""
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     for (h, i, t, k), configs in tile_plan(cases, default_tile_cases, lambda h, i: tiny_config()):
-        layout, slots, x, ids, weights = _problem(h, i, t, k, getattr(torch, dtype), "cpu", quant=quant)
+        layout, slots, x, ids, weights = _problem(h, i, t, k, getattr(torch, dtype), "cpu", quant=quant,
+                                                  gpt_oss=gpt_oss)
+        assert not gpt_oss or clamp_binds(layout, slots, x, ids)
         expected = gathered_experts_torch(x, weights, slots, ids, layout).float()  # [T, H]
         # fp16: both paths round act and the output to fp16, in different places
         tol = 1e-5 if dtype == "float32" else 3e-3 * expected.abs().max().item()
@@ -147,6 +162,13 @@ def test_interpreter_matches_torch_path():
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
     run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r}, "
                               f"{json.dumps(fitted_cases(QUANT_DEFAULT_TILE_CASES, quant))})")
+
+
+@needs_triton
+@pytest.mark.parametrize("quant", ["none", "int4", "mxfp4"])
+def test_interpreter_gpt_oss_experts_match_torch_path(quant):
+    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(GPT_OSS_CASES, quant))}, {quant!r}, "
+                              "gpt_oss=True)")
 
 
 @needs_triton
@@ -228,6 +250,28 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     assert torch.equal(grouped_experts(x, weights, slots, ids, layout), grouped)  # deterministic
     if t * k >= GROUPED_MIN_PAIRS:
         assert torch.equal(gathered_experts(x, weights, slots, ids, layout), grouped)  # the dispatch takes it
+
+
+@needs_cuda
+@pytest.mark.parametrize("quant", ["none", "int4", "mxfp4"])
+@pytest.mark.parametrize("h,i,t,k", GPT_OSS_CUDA_CASES)
+def test_cuda_bf16_gpt_oss_experts_match_torch_path(h, i, t, k, quant):
+    (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)
+    from moe_serve.engine.experts.grouped_experts import grouped_experts
+
+    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant, gpt_oss=True)
+    assert clamp_binds(layout, slots, x, ids)
+    exact_layout, exact_slots = decoded_reference(layout, slots, torch.bfloat16)  # biases and activation kept
+    exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
+    grouped = grouped_experts(x, weights, slots, ids, layout)
+    assert grouped.dtype == torch.bfloat16 and grouped.shape == (t, h)
+    # act rounds to bf16 for tl.dot (2^-9 of values up to (limit + 1) * limit), and so do the torch path's
+    # gate, up and act: errors grow with the outputs
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(grouped.float(), exact, rtol=1.6e-2, atol=2e-3 * scale)
+    torch.testing.assert_close(grouped, gathered_experts_torch(x, weights, slots, ids, layout), rtol=5e-2,
+                               atol=1e-2 * scale)
+    assert torch.equal(gathered_experts(x, weights, slots, ids, layout), grouped)  # the dispatch takes it
 
 
 @needs_cuda
