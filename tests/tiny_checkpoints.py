@@ -6,7 +6,8 @@
     loaded = load_model(path, runner_factory=AllResidentRunner.factory, progress=False)
 
 Each family exercises some quirk (GQA, tied embeddings, biases, qk-norm, shared experts, sparse
-step / mlp_only_layers, sliding windows, scaled rope, partial rotation, latent attention, grouped routing). Weights
+step / mlp_only_layers, sliding windows, scaled rope, partial rotation, latent attention, grouped routing,
+attention sinks, expert biases and a clamped activation). Weights
 are perturbed so that every norm and bias matters, and routers are scaled so routing probabilities
 are far from uniform (top-k is then stable under float noise). The same (family, seed) always gives the same weights.
 """
@@ -25,7 +26,7 @@ from moe_serve.engine.experts.store import ExpertStore
 from moe_serve.engine.models.config import ModelConfig
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
-                "ernie4_5_moe", "dots1")
+                "ernie4_5_moe", "dots1", "gpt_oss")
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 _BASE: dict[str, Any] = dict(
@@ -105,6 +106,13 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.4, norm_topk_prob=True,
         sliding_window=5, layer_types=["full_attention", "sliding_attention", "full_attention"],
     )),
+    # attention sinks and biases, a window on every other layer, yarn without truncation; a router
+    # with a bias, experts with biases and the clamped SwiGLU (their gate/up scaled so the clamp binds)
+    "gpt_oss": ("GptOssConfig", dict(
+        head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, original_max_position_embeddings=64,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False),
+    )),
     "glm4_moe": ("Glm4MoeConfig", dict(
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True,
@@ -138,8 +146,12 @@ def _perturb(model: torch.nn.Module, hidden: int, seed: int) -> None:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight") and p.shape[0] > 1:  # a router [E, H]
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")) and p.shape[0] > 1:  # a router [E, H]
                 p.copy_(2.0 / math.sqrt(hidden) * torch.randn(p.shape, generator=gen))
+            elif name.endswith("self_attn.sinks"):  # gpt-oss's: a sink comparable with the scores takes a share
+                p.copy_(1.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("experts.gate_up_proj") and model.config.model_type == "gpt_oss":
+                p.mul_(3.0)  # pre-activations past swiglu_limit, where the clamp binds
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's: it must change which experts are picked
                 b.copy_(0.3 * torch.randn(b.shape, generator=gen))

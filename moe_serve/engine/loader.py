@@ -46,6 +46,8 @@ RunnerFactory = Callable[[ExpertStore, ModelConfig], ExpertRunner]
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 _EXPERT_PARTS = ("gate", "up", "down")
+_EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
+_FUSED_HALVES = {"gate_up": ("gate", "up"), "gate_up_bias": ("gate_bias", "up_bias")}  # a fused part's halves
 _FLOAT_DTYPES = ("F16", "BF16", "F32")  # safetensors' names of the dtypes a weight computes in
 
 
@@ -75,6 +77,8 @@ class TensorTarget:
     expert: int | None  # from {E}; None for fused expert tensors
     # a quantized weight: role -> (file, tensor name) of each of its tensors; None: one plain tensor
     quantized: tuple[tuple[str, Path, str], ...] | None = None
+    interleaved: bool = False  # TensorRule's: gate and up rows alternate
+    in_by_out: bool = False  # TensorRule's: a float tensor is [.., K, N]
 
     @property
     def is_expert(self) -> bool:
@@ -273,7 +277,8 @@ def _match(name: str, file: Path, rules: list[tuple[TensorRule, re.Pattern[str]]
             layer = int(groups["L"]) if "L" in groups else None
             expert = int(groups["E"]) if "E" in groups else None
             ours = rule.ours.replace("{L}", str(layer))
-            return TensorTarget(name, file, ours, rule.part, layer, expert)
+            return TensorTarget(name, file, ours, rule.part, layer, expert, interleaved=rule.interleaved,
+                                in_by_out=rule.in_by_out)
     raise LoadError(f"unexpected tensor {name!r} in {file.name}: no rule of this family maps it")
 
 
@@ -313,13 +318,14 @@ def _load_experts(
         experts = range(config.num_experts) if target.expert is None else [target.expert]
         if target.expert is not None and target.expert >= config.num_experts:
             raise LoadError(f"unexpected tensor {target.hf_name!r}: expert {target.expert} >= {config.num_experts}")
-        keys = {(moe, e, p) for e in experts for p in (("gate", "up") if part == "gate_up" else (part,))}
+        keys = {(moe, e, p) for e in experts for p in _FUSED_HALVES.get(part, (part,))}
         if keys & filled:
             raise LoadError(f"duplicate tensor {target.hf_name!r}: its experts were already loaded")
         filled |= keys
         try:
             if isinstance(tensor, dict):
                 tensor = EncodedWeight(*quant.expert_parts(tensor, store.layouts[moe].format_of("down" if part == "down" else "gate_up")))
+            tensor = _as_our_rows(tensor, target)
             if isinstance(tensor, EncodedWeight):
                 store.put_encoded(moe, target.expert, part, tensor.data, tensor.scales)
             elif target.expert is None:
@@ -328,13 +334,37 @@ def _load_experts(
                 store.put(moe, target.expert, **{part: tensor})
         except ValueError as e:
             raise LoadError(f"tensor {target.hf_name!r}: {e}") from None
-    expected = {(m, e, p) for m in range(config.num_moe_layers) for e in range(config.num_experts) for p in _EXPERT_PARTS}
+    parts = _EXPERT_PARTS + (_EXPERT_BIAS_PARTS if config.expert_biases else ())
+    expected = {(m, e, p) for m in range(config.num_moe_layers) for e in range(config.num_experts) for p in parts}
     missing = sorted(expected - filled)
     if missing:
         m, e, p = missing[0]
-        rule = next(r for r in rules if r.ours == EXPERT_PREFIX + p)  # per-expert names first, where a family has both
+        fused = next((f for f, halves in _FUSED_HALVES.items() if p in halves), p)
+        # per-expert names first, where a family has both; else the fused tensor holding the part
+        rule = next(r for r in rules if r.ours in (EXPERT_PREFIX + p, EXPERT_PREFIX + fused))
         name = rule.hf.replace("{L}", str(config.moe_layers[m])).replace("{E}", str(e))
         raise LoadError(f"missing tensor {name!r} ({len(missing)} expert weights missing)")
+
+
+def _as_our_rows(tensor: torch.Tensor | EncodedWeight, target: TensorTarget) -> torch.Tensor | EncodedWeight:
+    """An expert tensor as our rows: a float [.., K, N] one transposed, alternating gate and up rows
+    (or bias entries: dim -1 of a vector, -2 of a matrix; an encoding's data and scales alike) put
+    gate rows first."""
+    if isinstance(tensor, EncodedWeight):
+        if target.interleaved:
+            return EncodedWeight(*(None if t is None else _gate_rows_first(t, -2) for t in tensor))
+        return tensor
+    if target.in_by_out:
+        tensor = tensor.transpose(-1, -2)
+    if target.interleaved:
+        tensor = _gate_rows_first(tensor, -1 if target.ours.endswith("_bias") else -2)
+    return tensor
+
+
+def _gate_rows_first(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """Entries 0, 2, 4, ... (gate) then 1, 3, 5, ... (up) along dim."""
+    rows = t.movedim(dim, 0)
+    return torch.cat([rows[0::2], rows[1::2]]).movedim(0, dim)
 
 
 def _part_rows(config: ModelConfig, param: torch.Tensor, part: str | None) -> slice:

@@ -214,7 +214,7 @@ def build_runtime(config: EngineConfig) -> Runtime:
     runner = runners[0] if runners else None
     if runner is not None:
         runner.set_router_weights(loaded.model.router_weights(), loaded.config.router,
-                                  loaded.model.router_corrections())
+                                  loaded.model.router_corrections(), loaded.model.router_logit_biases())
     kv = KVCache.for_model(loaded.config, max_len, device=device, dtype=dtype)
     recorder = recorders[0] if recorders else None
     target = BoundModel(loaded.model, kv, device, on_forward=recorder.begin_forward if recorder else None,

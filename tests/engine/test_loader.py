@@ -196,3 +196,12 @@ def test_deepseek_v3_multi_token_prediction_layers_are_skipped_unread(tmp_path: 
     (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(LoadError, match=f"unexpected tensor 'model[.]layers[.]{mtp}[.]"):
         _load(path)
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.experts.down_proj_bias", "model.layers.0.self_attn.sinks",
+                                  "model.layers.1.mlp.router.bias"])
+def test_gpt_oss_missing_bias_or_sink_is_named(tmp_path: Path, name: str) -> None:
+    """gpt-oss's expert biases, attention sinks and router bias are required like any weight."""
+    path = _edit(build_tiny_checkpoint("gpt_oss", tmp_path / "gpt_oss"), lambda t: t.pop(name))
+    with pytest.raises(LoadError, match=f"missing tensors? .*{name.replace('.', '[.]')}"):
+        _load(path)

@@ -22,10 +22,13 @@ from moe_serve.engine.experts.stats import ExpertStats
 
 
 def token_topk(x: torch.Tensor, router_weight: torch.Tensor, k: int, router: Router = Router(),
-               correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's guess of a later layer's routing, chosen from x @ W^T as that layer's router
-    chooses (softmax top-k, or the family's Router with its correction bias) as (scores, ids)."""
-    return chosen_scores(expert_scores(F.linear(x, router_weight), router), k, router, correction)  # [T, k] each
+               correction: torch.Tensor | None = None,
+               logit_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's guess of a later layer's routing, chosen from x @ W^T (+ the router's own bias,
+    gpt-oss's) as that layer's router chooses (softmax top-k, or the family's Router with its
+    correction bias) as (scores, ids)."""
+    logits = F.linear(x, router_weight, logit_bias)
+    return chosen_scores(expert_scores(logits, router), k, router, correction)  # [T, k] each
 
 
 def rank_by_impact(probs: torch.Tensor, ids: torch.Tensor, num_experts: int, limit: int) -> torch.Tensor:
@@ -52,9 +55,10 @@ class Guess:
 class NextLayerPredictor:
     def __init__(self, router_weights: Sequence[torch.Tensor], top_k: int, depth: int, stats: ExpertStats,
                  max_per_layer: int | None = None, router: Router = Router(),
-                 corrections: Sequence[torch.Tensor] | None = None) -> None:
+                 corrections: Sequence[torch.Tensor] | None = None,
+                 logit_biases: Sequence[torch.Tensor] | None = None) -> None:
         """`router_weights[l]` is MoE layer l's router [E, H] (`corrections[l]` its correction bias [E]
-        where `router` has one); prefetch at most `max_per_layer` experts per predicted layer
+        where `router` has one, `logit_biases[l]` its linear's bias [E] where it has one); prefetch at most `max_per_layer` experts per predicted layer
         (default 2 * top_k, HybriMoE's p)."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
@@ -66,6 +70,8 @@ class NextLayerPredictor:
         # one matmul per layer for all its targets: their routers stacked [d*E, H]
         self._stacked = [torch.cat([router_weights[t] for t in targets]) if targets else None
                          for targets in self._targets]
+        self._stacked_biases = ([torch.cat([logit_biases[t] for t in targets]) if targets else None
+                                 for targets in self._targets] if logit_biases is not None else None)  # [d*E]
         self.router = router
         # [d, E] per layer: its targets' correction biases
         self._corrections = ([torch.stack([corrections[t] for t in targets]) if targets else None
@@ -80,7 +86,8 @@ class NextLayerPredictor:
         if weight is None:
             return None
         targets, t, e = self._targets[layer], x.shape[0], self.num_experts
-        scores = expert_scores(F.linear(x, weight).view(t * len(targets), e), self.router)  # [T*d, E]
+        bias = None if self._stacked_biases is None else self._stacked_biases[layer]
+        scores = expert_scores(F.linear(x, weight, bias).view(t * len(targets), e), self.router)  # [T*d, E]
         correction = None if self._corrections is None else self._corrections[layer].repeat(t, 1)  # [T*d, E]
         top = tuple(v.view(t, len(targets), -1) for v in chosen_scores(scores, self.top_k, self.router,
                                                                          correction))  # [T, d, k] each

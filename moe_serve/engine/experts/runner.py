@@ -158,6 +158,7 @@ class CachedExpertRunner:
         self._observer = observer
         self._router_weights: list[torch.Tensor] = []
         self._router, self._corrections = Router(), None  # how the routers choose (set_router_weights)
+        self._logit_biases: list[torch.Tensor] | None = None
         self._predictor: NextLayerPredictor | None = None
         self._cpu: CpuExperts | None = None
         if cpu_experts == "auto" and self.cache.resident_expert_slots is None:  # all resident: nothing is ever missed
@@ -174,14 +175,18 @@ class CachedExpertRunner:
                    prefetch_depth=config.prefetch_depth, observer=observer, cpu_experts=config.cpu_experts)
 
     def set_router_weights(self, weights: Sequence[torch.Tensor], router: Router = Router(),
-                           corrections: Sequence[torch.Tensor] | None = None) -> None:
+                           corrections: Sequence[torch.Tensor] | None = None,
+                           logit_biases: Sequence[torch.Tensor] | None = None) -> None:
         """Hook in the model's routers ([E, H] per MoE layer) for the predictor and traces, and how
-        they choose (the family's Router, each layer's correction bias [E] where it has one)."""
+        they choose (the family's Router, each layer's correction bias [E] and its linear's bias [E]
+        where it has them)."""
         self._router_weights = list(weights)
         self._router, self._corrections = router, (list(corrections) if corrections is not None else None)
+        self._logit_biases = list(logit_biases) if logit_biases is not None else None
         if self.prefetch_mode == "next-layer":
             self._predictor = NextLayerPredictor(self._router_weights, self.top_k, self.prefetch_depth,
-                                                 self.cache.stats, router=router, corrections=corrections)
+                                                 self.cache.stats, router=router, corrections=corrections,
+                                                 logit_biases=logit_biases)
 
     def run(self, x: torch.Tensor, routing: LayerRouting) -> torch.Tensor:
         if self.prefetch_mode == "next-layer" and self._predictor is None:
@@ -227,7 +232,7 @@ class CachedExpertRunner:
             return self._predictor.guess(layer, x) if self._predictor is not None else None
         if self.cache.resident_expert_slots is None and layer + 1 < len(self._router_weights):
             return stream_guess(x, self._router_weights[layer + 1], self.top_k, layer + 1, self.cache.capacity,
-                                self._router, self._correction(layer + 1))
+                                self._router, *self._biases(layer + 1))
         return None
 
     @property
@@ -419,11 +424,12 @@ class CachedExpertRunner:
         if guess is not None:
             return guess.next_layer()
         if layer + 1 < len(self._router_weights):
-            return token_topk(x, self._router_weights[layer + 1], self.top_k, self._router, self._correction(layer + 1))
+            return token_topk(x, self._router_weights[layer + 1], self.top_k, self._router, *self._biases(layer + 1))
         return None
 
-    def _correction(self, layer: int) -> torch.Tensor | None:
-        return None if self._corrections is None else self._corrections[layer]
+    def _biases(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The layer's router correction bias and logit bias, each None where the family has none."""
+        return tuple(None if biases is None else biases[layer] for biases in (self._corrections, self._logit_biases))
 
     def _start_cpu(self, x: torch.Tensor, routing: LayerRouting, back: ReadBack) -> CpuJob | None:
         missing = self.cache.missing(routing.layer, back.experts)

@@ -92,12 +92,13 @@ class StreamExpertSlots:
 
 
 def stream_guess(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, target: int, limit: int,
-                 router: Router = Router(), correction: torch.Tensor | None = None) -> Guess:
+                 router: Router = Router(), correction: torch.Tensor | None = None,
+                 logit_bias: torch.Tensor | None = None) -> Guess:
     """Layer `target`'s experts for a streamed span whose hidden state entering the layer before is
     x [T, H]: the union of each token's gate guess (chosen as `router` chooses, with `correction`)
     ranked by summed score, at most `limit` (the cache's capacity: a longer list would only evict
     its own head). No host sync."""
-    probs, ids = token_topk(x, router_weight, top_k, router, correction)  # [T, k] each
+    probs, ids = token_topk(x, router_weight, top_k, router, correction, logit_bias)  # [T, k] each
     num_experts = router_weight.shape[0]
     ranked = rank_by_impact(probs.reshape(1, -1), ids.reshape(1, -1), num_experts, limit)  # [1, m]
     return Guess(range(target, target + 1), (probs[:, None], ids[:, None]), ranked)

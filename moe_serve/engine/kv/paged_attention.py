@@ -5,7 +5,8 @@ lives in block block_tables[s, p // block_size] at row p % block_size. Query t (
 query_seq[t], at position query_pos[t]) attends causally to positions 0..query_pos[t] of its
 sequence, and with a sliding `window` only to positions > query_pos[t] - window. Its own key and
 value are already in the cache. A query at a negative position (a padding slot of a captured
-batch) attends to nothing and returns zeros.
+batch) attends to nothing and returns zeros. With `sinks` (gpt-oss), each query head's softmax
+also takes that head's learned logit, a column with no value, so a head can attend to "nothing".
 
 Two paths behind `paged_attention`:
 1. `paged_attention_torch`, the reference: gathers every query's blocks up to the host bound
@@ -24,7 +25,8 @@ keys gathered once, then one fused attention call. Measured on the H100 (bench/r
 a 512-token chunk over 2,048 keys takes 0.69 ms in the Triton kernel (each query re-reads the
 sequence's K/V) and 0.09 ms gathered + SDPA, while decode batches and 5-token verify spans are
 2-4x faster in the kernel. The runs come from the host's step layout of an eager step, so
-choosing them costs no sync; CUDA-graphed decode steps have none.
+choosing them costs no sync; CUDA-graphed decode steps have none. SDPA takes no sink: with sinks,
+the runs take sink_attention, the same math written out in fp32.
 
 Kernel limits: any head_dim up to MAX_KERNEL_HEAD_DIM (padded to a power of two >= 16 and
 masked) and any block_size; the
@@ -113,36 +115,38 @@ def paged_attention_supported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_seq: torch.Tensor, query_pos: torch.Tensor, *, scale: float, window: int | None,
                     max_span: int, prefill_runs: tuple[QueryRun, ...] = (),
-                    other_queries: torch.Tensor | None = None) -> torch.Tensor:
+                    other_queries: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, nq, D] over one layer's paged cache [num_blocks, block_size, nkv, D] -> [T, nq, D] in q's dtype.
 
     block_tables [B, max_blocks] int32; query_seq [T] (a row of block_tables) and query_pos [T]
     (absolute position) per query; max_span >= max(query_pos) + 1, read by the torch path only.
     prefill_runs: runs of at least PREFILL_RUN_MIN_QUERIES queries, which a GPU attends per sequence;
     other_queries: the indices of every query outside them (both from the host's step layout).
+    sinks: fp32 [nq], each query head's sink logit (gpt-oss): one more softmax column, with no value.
     """
     if paged_attention_supported(q, k_cache, v_cache):
         if not prefill_runs:
             return paged_attention_triton(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
-                                          window=window)
+                                          window=window, sinks=sinks)
         out = torch.empty_like(q)
         if other_queries is not None and other_queries.numel():
             out[other_queries] = paged_attention_triton(q[other_queries], k_cache, v_cache, block_tables,
                                                         query_seq[other_queries], query_pos[other_queries],
-                                                        scale=scale, window=window)
+                                                        scale=scale, window=window, sinks=sinks)
         for run in prefill_runs:
-            out[run.start:run.end] = _attend_run(q, k_cache, v_cache, block_tables, query_pos, run, scale, window)
+            out[run.start:run.end] = _attend_run(q, k_cache, v_cache, block_tables, query_pos, run, scale, window,
+                                                 sinks)
         return out
     if q.device.type == "cpu":
         return paged_attention_per_sequence(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
-                                            window=window)
+                                            window=window, sinks=sinks)
     return paged_attention_torch(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
-                                 window=window, max_span=max_span)
+                                 window=window, max_span=max_span, sinks=sinks)
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                           query_seq: torch.Tensor, query_pos: torch.Tensor, *, scale: float, window: int | None,
-                          max_span: int) -> torch.Tensor:
+                          max_span: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: gather each query's first max_span key positions, mask, fp32 softmax.
 
     Shapes depend on host ints only (T, max_span), so CUDA graphs capture it too.
@@ -156,13 +160,13 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     for lo in range(0, t if span else 0, step):
         rows = slice(lo, min(t, lo + step))
         out[rows] = _attend_gathered(q[rows], k_cache, v_cache, block_tables, query_seq[rows], query_pos[rows],
-                                     scale, window, span)
+                                     scale, window, span, sinks)
     return out
 
 
 def _attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      query_seq: torch.Tensor, query_pos: torch.Tensor, scale: float, window: int | None,
-                     span: int) -> torch.Tensor:
+                     span: int, sinks: torch.Tensor | None) -> torch.Tensor:
     """One chunk of queries q [T, nq, D] over their sequences' keys 0..span-1 -> [T, nq, D]."""
     t, nq, d = q.shape
     num_blocks, block_size, nkv, _ = k_cache.shape
@@ -174,18 +178,16 @@ def _attend_gathered(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     allowed = _allowed(query_pos, span, window)  # [T, span]
     # Unwritten rows may hold NaN (torch.empty caches), and 0 * NaN is NaN: zero them, not just their weight.
     values = values.masked_fill(~allowed[:, :, None, None], 0.0)
-    qg = q.float().view(t, nkv, nq // nkv, d)  # [T, nkv, g, D]: kv head j serves query heads j*g..j*g+g-1
-    scores = torch.einsum("thgd,tshd->thgs", qg, keys) * scale  # [T, nkv, g, span]
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [T, nkv, g, span]; NaN where a query sees no key
-    probs = probs.masked_fill(~allowed.any(dim=1)[:, None, None, None], 0.0)  # padding queries get zeros
-    out = torch.einsum("thgs,tshd->thgd", probs, values)  # [T, nkv, g, D]
-    return out.reshape(t, nq, d).to(q.dtype)
+    g = nq // nkv
+    out = masked_attention(q.view(t, nkv, g, d),  # kv head j serves query heads j*g..j*g+g-1
+                           keys.transpose(1, 2), values.transpose(1, 2),  # [T, nkv, span, D]
+                           allowed[:, None, None, :], scale, None if sinks is None else sinks.view(nkv, g))
+    return out.reshape(t, nq, d).to(q.dtype)  # [T, nkv, g, D] -> [T, nq, D]
 
 
 def paged_attention_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  block_tables: torch.Tensor, query_seq: torch.Tensor, query_pos: torch.Tensor, *,
-                                 scale: float, window: int | None) -> torch.Tensor:
+                                 scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The CPU path: each run of one sequence's queries gathers that sequence's keys once and attends
     with SDPA. The reference gathers every query's keys (a 1024-token prefill chunk copies 1024 x
     1024 positions per layer, ~30 s on a CPU core); reading the runs costs a host sync, which is
@@ -194,20 +196,25 @@ def paged_attention_per_sequence(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     out = torch.zeros_like(q)  # queries at negative positions (padding) stay zeros
     for run in query_runs(query_seq.tolist(), query_pos.tolist()):
         if run.span > 0:
-            out[run.start:run.end] = _attend_run(q, k_cache, v_cache, block_tables, query_pos, run, scale, window)
+            out[run.start:run.end] = _attend_run(q, k_cache, v_cache, block_tables, query_pos, run, scale, window,
+                                                 sinks)
     return out
 
 
 def _attend_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                query_pos: torch.Tensor, run: QueryRun, scale: float, window: int | None) -> torch.Tensor:
+                query_pos: torch.Tensor, run: QueryRun, scale: float, window: int | None,
+                sinks: torch.Tensor | None) -> torch.Tensor:
     """One run's queries over its sequence's keys, gathered once -> [L, nq, D] in q's dtype. SDPA
-    computes in q's dtype on a GPU (its fused kernels accumulate in fp32), in fp32 on a CPU."""
+    computes in q's dtype on a GPU (its fused kernels accumulate in fp32), in fp32 on a CPU; it takes
+    no sink, so with sinks the run goes through sink_attention in fp32."""
     block_size, groups = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     compute = q.dtype if q.device.type == "cuda" else torch.float32
     blocks = block_tables[run.seq, : -(-run.span // block_size)].long()
     keys = k_cache[blocks].flatten(0, 1)[:run.span]  # [span, nkv, D]
     values = v_cache[blocks].flatten(0, 1)[:run.span]
     allowed = _allowed(query_pos[run.start:run.end], run.span, window)  # [L, span]
+    if sinks is not None:
+        return sink_attention(q[run.start:run.end], keys, values, allowed, scale, sinks)
     seen = allowed.any(dim=1)  # a padding query sees nothing: SDPA would give NaN
     attn = F.scaled_dot_product_attention(
         q[run.start:run.end].transpose(0, 1).to(compute),  # [nq, L, D]
@@ -215,6 +222,54 @@ def _attend_run(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
         values.transpose(0, 1).to(compute).repeat_interleave(groups, dim=0),
         attn_mask=allowed | ~seen[:, None], scale=scale)  # [nq, L, D]
     return attn.transpose(0, 1).masked_fill(~seen[:, None, None], 0.0).to(q.dtype)
+
+
+def sink_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """q [L, nq, D] over one sequence's keys/values [S, nkv, D], query l seeing the keys allowed [L, S]
+    marks, each query head's softmax taking its sink logit sinks [nq] too -> [L, nq, D] in q's dtype.
+
+    The explicit fp32 path where SDPA would run, which has no sink column. Chunks of queries bound
+    its scores (and their softmax copies) to _TORCH_GATHER_ELEMENTS, as the reference bounds its
+    gathered keys: a 4,096-token prefill over 64 heads would hold 2^30 fp32 scores at once.
+    """
+    t, nq, d = q.shape
+    span, nkv = keys.shape[:2]
+    g = nq // nkv
+    # Each kv head's query group folded into its rows (head i of the group, then query l), so the
+    # keys are shared by the group as they are, never repeated.
+    keys, values = keys.transpose(0, 1).float(), values.transpose(0, 1).float()  # [nkv, S, D]
+    group_sinks = sinks.view(nkv, g, 1)
+    out = torch.empty_like(q)
+    step = max(1, _TORCH_GATHER_ELEMENTS // max(1, nq * span))
+    for lo in range(0, t, step):
+        rows = slice(lo, min(t, lo + step))
+        n = rows.stop - lo
+        q_rows = q[rows].reshape(n, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * n, d)  # rows (i, l) per kv head
+        got = masked_attention(q_rows, keys, values, allowed[rows].repeat(g, 1), scale,
+                               group_sinks.expand(nkv, g, n).reshape(nkv, g * n))  # [nkv, g * n, D]
+        out[rows] = got.view(nkv, g, n, d).permute(2, 0, 1, 3).reshape(n, nq, d)
+    return out
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention written out in fp32: query rows q [..., R, D] over keys/values [..., S, D] (the same
+    leading dims), row r seeing the keys `allowed` [..., R, S] (broadcast) marks -> fp32 [..., R, D].
+
+    With sinks [..., R] (broadcast), each row's softmax also takes its sink logit, a column that
+    has no value (gpt-oss): out = sum_j e^l_j v_j / (sum_j e^l_j + e^sink), as in transformers'
+    eager_attention_forward. A row that sees no key (a padding query) gets zeros either way.
+    """
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale  # [..., R, S]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)  # NaN where a row sees no key
+    else:
+        sink_column = sinks.float().expand(scores.shape[:-1])[..., None]  # [..., R, 1]
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    probs = probs.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
+    return torch.matmul(probs, values.float())
 
 
 def _allowed(query_pos: torch.Tensor, span: int, window: int | None) -> torch.Tensor:
@@ -229,7 +284,8 @@ def _allowed(query_pos: torch.Tensor, span: int, window: int | None) -> torch.Te
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            query_seq: torch.Tensor, query_pos: torch.Tensor, *, scale: float, window: int | None,
-                           config: PagedAttentionConfig | None = None) -> torch.Tensor:
+                           config: PagedAttentionConfig | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel, same contract as paged_attention (no max_span: each program reads its own bound).
 
     Called by the dispatcher on a GPU, and directly on CPU tensors under TRITON_INTERPRET=1 in tests.
@@ -241,6 +297,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if nq % nkv or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or window is not None and window < 1:
         raise ValueError(f"need nq % nkv == 0, packed cache head dims and window >= 1; got nq={nq}, nkv={nkv}, "
                          f"strides {k_cache.stride()}, {v_cache.stride()}, window={window}")
+    if sinks is not None and (sinks.shape != (nq,) or sinks.dtype != torch.float32 or sinks.stride(0) != 1):
+        raise ValueError(f"need sinks packed fp32 [nq={nq}]; got {sinks.dtype} {tuple(sinks.shape)}, "
+                         f"strides {sinks.stride()}")
     cfg = config or PagedAttentionConfig()
     g = nq // nkv
     q = q.contiguous()
@@ -248,10 +307,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if t == 0:
         return out
     _paged_attention_kernel[(t, nkv)](
-        q, k_cache, v_cache, block_tables, query_seq, query_pos, out,
+        q, k_cache, v_cache, block_tables, query_seq, query_pos, sinks, out,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
         scale * math.log2(math.e), window or 0,
-        G=g, D=d, BLOCK_SIZE=k_cache.shape[1], HAS_WINDOW=window is not None,
+        G=g, D=d, BLOCK_SIZE=k_cache.shape[1], HAS_WINDOW=window is not None, HAS_SINKS=sinks is not None,
         BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         TILE=cfg.keys_per_step, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRETED=not q.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -263,10 +322,10 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, tables_ptr, seq_ptr, pos_ptr, out_ptr,
+        q_ptr, k_ptr, v_ptr, tables_ptr, seq_ptr, pos_ptr, sinks_ptr, out_ptr,
         q_stride_t, q_stride_h, k_stride_b, k_stride_r, k_stride_h, v_stride_b, v_stride_r, v_stride_h,
         table_stride, scale_log2, window,
-        G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        G: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr,
     ):
@@ -285,6 +344,12 @@ if triton is not None:
         q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)  # [BLOCK_G, BLOCK_D]
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)  # running max, log2 units
         denom = tl.zeros([BLOCK_G], tl.float32)
+        if HAS_SINKS:
+            # The sink as the softmax's first column, one with no value: its logit is the running max
+            # and e^0 = 1 the denominator, and the tiles fold in after it. Padded rows (g >= G) take 0,
+            # a finite max, and are never stored.
+            m = tl.load(sinks_ptr + heads, mask=g < G, other=0.0) * 1.4426950408889634  # log2(e)
+            denom += 1.0
         acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
         # Tiles from the one holding lo up to pos: each holds a visible key, so m is finite after the first.
         first = (lo // TILE) * TILE
@@ -299,7 +364,8 @@ if triton is not None:
                 m, denom, acc = _attend_tile(q, m, denom, acc, start, lo, pos, table, k_ptr, v_ptr, dims, kv_head,
                                              k_stride_b, k_stride_r, k_stride_h, v_stride_b, v_stride_r, v_stride_h,
                                              scale_log2, D, BLOCK_SIZE, TILE, PRECISION)
-        # No visible key (a padding query at a negative position): acc is 0, so the output is 0.
+        # No visible key (a padding query at a negative position): acc is 0, so the output is 0 (denom is
+        # then 0, or the sink's 1).
         out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + q_off, out.to(out_ptr.dtype.element_ty), mask=io_mask)  # out has q's strides
 

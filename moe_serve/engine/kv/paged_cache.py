@@ -142,11 +142,12 @@ class PagedStep:
                    layout.max_span, runs, others)
 
     def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
-        """Write this step's k, v [T, nkv, D], then attend q [T, nq, D] over each token's sequence -> [T, nq*D]."""
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Write this step's k, v [T, nkv, D], then attend q [T, nq, D] over each token's sequence -> [T, nq*D]
+        (with sinks, fp32 [nq], each query head's sink logit in its softmax)."""
         self.cache.write(layer, self.slots, k, v)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         out = paged_attention(q, self.cache.keys[layer], self.cache.values[layer], self.block_tables, self.query_seq,
                               self.positions, scale=scale, window=window, max_span=self.max_span,
-                              prefill_runs=self.prefill_runs, other_queries=self.other_queries)
+                              prefill_runs=self.prefill_runs, other_queries=self.other_queries, sinks=sinks)
         return out.reshape(q.shape[0], -1)

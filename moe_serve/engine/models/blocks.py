@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_serve.engine.experts.routing import ExpertRunner, LayerRouting, Router, chosen_scores, expert_scores
+from moe_serve.engine.kv.paged_attention import sink_attention
 from moe_serve.engine.kv.paged_cache import PagedStep
 from moe_serve.engine.kv_cache import KVCache
 from moe_serve.engine.models.config import ModelConfig
@@ -27,9 +28,10 @@ AttentionHook = Callable[[int, torch.Tensor], None]  # (decoder layer index, h [
 
 class KVAttention(Protocol):
     def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store this forward's k, v [T, nkv, D] and attend q [T, nq, D] over the cache -> [T, nq*D],
-        softmax(q.k * scale) (None: D ** -0.5)."""
+        softmax(q.k * scale) (None: D ** -0.5); with sinks (fp32 [nq], gpt-oss), each query head's
+        softmax also takes its sink logit, a column with no value."""
         ...
 
 
@@ -83,6 +85,9 @@ class Attention(nn.Module):
         h = config.hidden_size
         self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.qkv_bias, dtype=dtype)
         self.o = nn.Linear(self.q_size, h, bias=config.o_bias, dtype=dtype)
+        # fp32 as the softmax they join (attention paths compute it in fp32)
+        self.sinks = (nn.Parameter(torch.zeros(config.num_heads, dtype=torch.float32)) if config.attention_sinks
+                      else None)
         if config.qk_norm != "none":
             q_dim, k_dim = (self.head_dim, self.head_dim) if config.qk_norm == "per_head" else (self.q_size, self.kv_size)
             self.q_norm = RMSNorm(q_dim, config.rms_norm_eps, dtype)
@@ -101,7 +106,7 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, step.cos, step.sin), apply_rotary(k, step.cos, step.sin)
-        out = step.attention.attend(self.layer, self.window, q, k, v, self.scale)  # [T, nq*D]
+        out = step.attention.attend(self.layer, self.window, q, k, v, self.scale, self.sinks)  # [T, nq*D]
         return self.o(out)  # [T, H]
 
 
@@ -176,25 +181,34 @@ class SequenceAttention:
     span: int = 0  # keys every query attends over in a static-shape forward
 
     def attend(self, layer: int, window: int | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if self.positions is None:
             keys, values = self.kv.write(layer, self.start, k, v)  # [S, nkv, D] each
         else:
             keys, values = self.kv.write_at(layer, self.positions, k, v, self.span)  # [span, nkv, D]
-        return self._attend(q, keys, values, self.masks[window], self.start == 0 and q.shape[0] > 1, scale)  # [T, nq*D]
+        return self._attend(q, keys, values, self.masks[window], self.start == 0 and q.shape[0] > 1, scale,
+                            sinks)  # [T, nq*D]
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                causal: bool, scale: float | None) -> torch.Tensor:
+                causal: bool, scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """q [T, nq, D] over keys/values [S, nkv, D] -> [T, nq*D].
 
         Batched 4-D inputs, because SDPA's fused kernels take nothing else: 3-D ones fall back to
         the math path, which upcasts the whole K/V span to fp32 every layer. A mask rules flash
         out and the memory-efficient kernel has no GQA, so then each KV head's query group is
         folded into the query rows instead of repeating K/V (HF's head order: kv head j serves
-        query heads j*g .. j*g+g-1).
+        query heads j*g .. j*g+g-1). SDPA takes no sink: with sinks, sink_attention writes the
+        softmax out in fp32.
         """
         t, nq, d = q.shape
+        if sinks is not None:
+            s = keys.shape[0]
+            # mask None: the queries are the last T of the S positions and see every key up to their
+            # own (is_causal's mask when S == T, every key for a single query)
+            allowed = mask if mask is not None else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+            out = sink_attention(q, keys, values, allowed, d ** -0.5 if scale is None else scale, sinks)
+            return out.reshape(t, nq * d)
         nkv = keys.shape[1]
         k4, v4 = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, nkv, S, D]
         if mask is not None and nq != nkv:
@@ -232,7 +246,7 @@ class MoEBlock(nn.Module):
         self.normalize = config.norm_topk_prob
         self.router_config = config.router
         h = config.hidden_size
-        self.router = nn.Linear(h, config.num_experts, bias=False, dtype=dtype)
+        self.router = nn.Linear(h, config.num_experts, bias=config.router_logit_bias, dtype=dtype)
         # picks experts, never weighs them: fp32, as it is added to fp32 probabilities
         self.router_bias = (nn.Parameter(torch.zeros(config.num_experts, dtype=torch.float32))
                             if config.router.correction_bias else None)
@@ -354,6 +368,12 @@ class CausalLM(nn.Module):
     def router_weights(self) -> list[torch.Tensor]:
         """Each MoE layer's router weight [E, H], in MoE-layer order (for routing predictors)."""
         return [layer.mlp.router.weight for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def router_logit_biases(self) -> list[torch.Tensor] | None:
+        """Each MoE layer's router bias [E] (gpt-oss), in MoE-layer order; None where routers have none."""
+        if not self.config.router_logit_bias:
+            return None
+        return [layer.mlp.router.bias for layer in self.layers if isinstance(layer.mlp, MoEBlock)]
 
     def router_corrections(self) -> list[torch.Tensor] | None:
         """Each MoE layer's correction bias [E] (DeepSeek-V3, GLM-4.5), in MoE-layer order; None

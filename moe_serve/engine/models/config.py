@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from moe_serve.engine.experts.activation import ExpertActivation
 from moe_serve.engine.experts.formats import expert_format
 from moe_serve.engine.experts.formats.mixes import MIXES, mix_formats
 from moe_serve.engine.experts.layout import ExpertLayout
@@ -43,6 +44,7 @@ class ModelConfig:
     rope_interleaved: bool = False
     mla: LatentAttention | None = None  # DeepSeek's latent attention: head_dim is then the cache row's
     attention_scale: float | None = None  # softmax scale of q.k; None: head_dim ** -0.5
+    attention_sinks: bool = False  # a learned logit per query head in each softmax, with no value (gpt-oss)
     attention_windows: tuple[int | None, ...] = ()  # per layer: sliding window, None = full causal
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -54,6 +56,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     shared_expert_gated: bool = True  # Qwen2-MoE scales it by sigmoid(shared_gate(x)); DeepSeek adds it as is
     router: Router = Router()
+    router_logit_bias: bool = False  # the router's linear has a bias (gpt-oss)
+    expert_activation: ExpertActivation = ExpertActivation()
+    expert_biases: bool = False  # each routed expert's gate/up and down have biases (gpt-oss)
     moe_layers: tuple[int, ...] = ()  # decoder layer indices that are MoE, in order
     # the experts/formats/ name of the routed experts as a quantized checkpoint publishes them
     # (moe_serve/engine/quantized_checkpoints/); "none" for a float checkpoint
@@ -145,7 +150,8 @@ class ModelConfig:
             raise ValueError(f"the checkpoint's experts are {published}: --expert-quant {quant} would quantize them "
                              f"again; leave it unset")
         name = quant if published == "none" else published
-        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(name, dtype))
+        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(name, dtype),
+                            activation=self.expert_activation, biases=self.expert_biases)
 
     def expert_layouts(self, dtype: torch.dtype, quant: str = "none") -> list[ExpertLayout]:
         """Each MoE layer's expert layout: expert_layout's, or each layer's own where the checkpoint
@@ -160,4 +166,5 @@ class ModelConfig:
         else:
             return [self.expert_layout(dtype, quant)] * self.num_moe_layers
         return [ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(gate_up, dtype),
-                             expert_format(down, dtype)) for gate_up, down in layer_formats]
+                             expert_format(down, dtype), activation=self.expert_activation, biases=self.expert_biases)
+                for gate_up, down in layer_formats]

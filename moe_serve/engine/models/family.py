@@ -6,16 +6,18 @@ Our parameter names (the targets of the map), with L the decoder layer:
   embed.weight, norm.weight, lm_head.weight
   layers.L.attn_norm.weight, layers.L.mlp_norm.weight
   layers.L.attn.qkv.{weight,bias} (q, k, v rows fused), layers.L.attn.o.{weight,bias}
-  layers.L.attn.q_norm.weight, layers.L.attn.k_norm.weight
+  layers.L.attn.q_norm.weight, layers.L.attn.k_norm.weight, layers.L.attn.sinks (gpt-oss)
   latent attention (DeepSeek): layers.L.attn.q.weight or layers.L.attn.{q_a,q_b}.weight with
                 layers.L.attn.q_a_norm.weight; layers.L.attn.kv_a.weight, layers.L.attn.kv_a_norm.weight,
                 layers.L.attn.kv_b.weight, layers.L.attn.o.weight (q_a, kv_a and o with optional biases)
   dense layer:  layers.L.mlp.gate_up.{weight,bias} (gate, up rows fused), layers.L.mlp.down.{weight,bias}
-  MoE layer:    layers.L.mlp.router.weight, layers.L.mlp.router_bias (DeepSeek-V3's correction),
+  MoE layer:    layers.L.mlp.router.weight, layers.L.mlp.router.bias (gpt-oss's, on the logits),
+                layers.L.mlp.router_bias (DeepSeek-V3's correction),
                 layers.L.mlp.shared.gate_up.weight, layers.L.mlp.shared.down.weight,
                 layers.L.mlp.shared_gate.weight
 Routed experts go to the ExpertStore instead: targets "expert.gate", "expert.up", "expert.down"
-(one expert, HF name has {E}) or "expert.gate_up", "expert.down" (all experts fused, no {E}).
+(one expert, HF name has {E}) or "expert.gate_up", "expert.down" (all experts fused, no {E}), and
+where experts have biases (gpt-oss) "expert.gate_up_bias", "expert.down_bias".
 """
 from __future__ import annotations
 
@@ -30,6 +32,11 @@ class TensorRule:
     hf: str  # HF tensor name; {L} = decoder layer index, {E} = expert index
     ours: str  # our parameter name ({L} substituted) or an "expert.<part>" store target
     part: str | None = None  # rows of a fused parameter: q | k | v | gate | up
+    # how a routed expert tensor differs from our rows (gpt-oss's): its gate and up rows (or a
+    # bias's entries) alternate, and a float one is stored inputs by outputs ([.., K, N]; the
+    # quantized tensors of the same name are [.., N, ...] rows already)
+    interleaved: bool = False
+    in_by_out: bool = False
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from moe_serve.engine.models.dots1 import DOTS1
 from moe_serve.engine.models.ernie4_5_moe import ERNIE4_5_MOE
 from moe_serve.engine.models.family import Family
 from moe_serve.engine.models.glm4_moe import GLM4_MOE
+from moe_serve.engine.models.gpt_oss import GPT_OSS
 from moe_serve.engine.models.llama import LLAMA, MISTRAL
 from moe_serve.engine.models.minimax_m2 import MINIMAX_M2
 from moe_serve.engine.models.mixtral import MIXTRAL
@@ -21,7 +22,7 @@ from moe_serve.engine.models.qwen3_moe import QWEN3_MOE
 FAMILIES: MappingProxyType[str, Family] = MappingProxyType(
     {arch: family
      for family in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMOE, DEEPSEEK_V2, DEEPSEEK_V3,
-                    GLM4_MOE, MINIMAX_M2, ERNIE4_5_MOE, DOTS1)
+                    GLM4_MOE, MINIMAX_M2, ERNIE4_5_MOE, DOTS1, GPT_OSS)
      for arch in family.architectures}
 )
 

@@ -61,11 +61,15 @@ class StackedRouters:
         self.router_weight = torch.stack([layer.mlp.router.weight.detach() for layer in picked])  # [M, E, H]
         self.correction = (torch.stack([layer.mlp.router_bias.detach() for layer in picked])
                            if self.router.correction_bias else None)  # [M, E]
+        self.logit_bias = (torch.stack([layer.mlp.router.bias.detach() for layer in picked])
+                           if target.config.router_logit_bias else None)  # [M, E]
 
     def top_experts(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H], row i for layer i -> each layer's top-k experts [M, k], chosen as its MoE block does."""
         x = F.rms_norm(hidden, hidden.shape[-1:], eps=self.eps) * self.norm_weight  # [M, H]
         logits = torch.bmm(self.router_weight, x.unsqueeze(-1)).squeeze(-1)  # [M, E]
+        if self.logit_bias is not None:
+            logits = logits + self.logit_bias
         if self.router == Router():  # softmax keeps the logits' order: spare its launches
             return logits.topk(self.top_k, dim=-1).indices  # [M, k]
         return choose_experts(expert_scores(logits, self.router), self.top_k, self.router, self.correction)

@@ -12,6 +12,7 @@ bf16, and captured in a CUDA graph.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -100,9 +101,9 @@ def make_problem(case: tuple, dtype: torch.dtype = torch.float32, device: str = 
     )
 
 
-def expected(p: Problem) -> torch.Tensor:
-    """Plain SDPA per sequence over its contiguous keys/values, fp32; K/V repeated per query head (HF order)."""
-    out = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)  # [T, nq, D]
+def per_sequence(p: Problem) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Per sequence: its query rows [n], their queries [nq, n, D], its contiguous keys and values
+    [nq, len, D] in fp32, repeated per query head (HF order), and the mask [n, len] of what each query sees."""
     g = p.q.shape[1] // p.keys[0].shape[1]
     for s, (keys, values) in enumerate(zip(p.keys, p.values)):
         rows = (p.query_seq == s).nonzero()[:, 0]  # [n]
@@ -111,9 +112,40 @@ def expected(p: Problem) -> torch.Tensor:
         mask = (k_pos <= q_pos) & (k_pos > q_pos - (p.window or keys.shape[0] + 1))  # [n, len]
         k = keys.float().repeat_interleave(g, dim=1).transpose(0, 1)  # [nq, len, D]
         v = values.float().repeat_interleave(g, dim=1).transpose(0, 1)
-        got = F.scaled_dot_product_attention(p.q[rows].float().transpose(0, 1), k, v, attn_mask=mask, scale=p.scale)
-        out[rows] = got.transpose(0, 1)  # [n, nq, D]
+        yield rows, p.q[rows].float().transpose(0, 1), k, v, mask
+
+
+def expected(p: Problem) -> torch.Tensor:
+    """Plain SDPA per sequence over its contiguous keys/values, fp32."""
+    out = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)  # [T, nq, D]
+    for rows, q, k, v, mask in per_sequence(p):
+        out[rows] = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale).transpose(0, 1)
     return out
+
+
+def eager_attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                               sinks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's attention as transformers' eager_attention_forward computes it: q [nq, n, D] over
+    k, v [nq, len, D] where mask [n, len], each query head's softmax over its scaled scores and its
+    sink logit sinks [nq], the sink's column then dropped -> [nq, n, D]."""
+    scores = (q @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))  # [nq, n, len]
+    combined = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, q.shape[1], 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]  # [nq, n, len]
+    return probs @ v
+
+
+def expected_with_sinks(p: Problem, sinks: torch.Tensor) -> torch.Tensor:
+    """eager_attention_with_sinks per sequence over its contiguous keys/values, fp32."""
+    out = torch.zeros(p.q.shape, dtype=torch.float32, device=p.q.device)  # [T, nq, D]
+    for rows, q, k, v, mask in per_sequence(p):
+        out[rows] = eager_attention_with_sinks(q, k, v, mask, p.scale, sinks).transpose(0, 1)  # [n, nq, D]
+    return out
+
+
+def make_sinks(p: Problem, seed: int = 0) -> torch.Tensor:
+    """fp32 [nq] sink logits on the scores' scale, so each one takes a real share of its softmax."""
+    return torch.randn(p.q.shape[1], generator=torch.Generator().manual_seed(seed)).to(p.q.device)
 
 
 def as_latent(p: Problem) -> Problem:
@@ -197,25 +229,28 @@ def with_prefill_runs(p: Problem) -> tuple[Problem, tuple[pa.QueryRun, ...], tor
     return p, runs, others
 
 
-def test_a_gpu_attends_long_prefill_runs_per_sequence_and_the_rest_in_the_kernel(monkeypatch):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_a_gpu_attends_long_prefill_runs_per_sequence_and_the_rest_in_the_kernel(monkeypatch, with_sinks):
     """The split an eager GPU step takes: runs of PREFILL_RUN_MIN_QUERIES or more queries go to SDPA
-    over their sequence's gathered keys, every other query to the kernel (here the reference stands
-    in for it, on CPU), and together they equal the reference."""
+    (with sinks, sink_attention) over their sequence's gathered keys, every other query to the kernel
+    (here the reference stands in for it, on CPU), and together they equal the reference."""
     p, runs, others = with_prefill_runs(make_problem(PREFILL_CASE))
+    sinks = make_sinks(p) if with_sinks else None
     assert [r.seq for r in runs] == [0, 3]
     kernel_queries = []
 
-    def kernel(q, k_cache, v_cache, block_tables, query_seq, query_pos, *, scale, window):
+    def kernel(q, k_cache, v_cache, block_tables, query_seq, query_pos, *, scale, window, sinks):
         kernel_queries.append(len(q))
         return paged_attention_torch(q, k_cache, v_cache, block_tables, query_seq, query_pos, scale=scale,
-                                     window=window, max_span=p.max_span)
+                                     window=window, max_span=p.max_span, sinks=sinks)
 
     monkeypatch.setattr(pa, "paged_attention_supported", lambda *_: True)
     monkeypatch.setattr(pa, "paged_attention_triton", kernel)
     got = paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span, prefill_runs=runs,
-                          other_queries=others)
+                          other_queries=others, sinks=sinks)
     assert kernel_queries == [4]
-    torch.testing.assert_close(got, torch_path(p), rtol=1e-5, atol=1e-5)
+    reference = paged_attention_torch(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span, sinks=sinks)
+    torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_a_step_layout_marks_only_long_chunks_as_prefill_runs():
@@ -228,6 +263,56 @@ def test_a_step_layout_marks_only_long_chunks_as_prefill_runs():
     short = PagedStep.build(cache, StepLayout.of([(list(range(20)), 40, 1), (list(range(20, 40)), 0, 5)], 16),
                             torch.device("cpu"))
     assert short.prefill_runs == () and short.other_queries is None
+
+
+# gpt-oss's attention: GQA (nq 4 over nkv 2), block sizes dividing no length, verify spans under a
+# sliding window; then a first token (its own key only, against the sink) and a prefill from 0.
+SINK_CASES = [
+    ([9, 23, 17], [3, 5, 1], 2, 2, 16, 4, 6),
+    ([1, 30, 6], [1, 30, 2], 2, 2, 8, 16, None),
+]
+SINK_PATHS = {
+    "torch": lambda p, sinks: paged_attention_torch(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span,
+                                                    sinks=sinks),
+    "per_sequence": lambda p, sinks: pa.paged_attention_per_sequence(*p.args(), scale=p.scale, window=p.window,
+                                                                     sinks=sinks),
+}
+
+
+@pytest.mark.parametrize("case", SINK_CASES)
+@pytest.mark.parametrize("path", SINK_PATHS)
+def test_paths_with_sinks_match_the_eager_reference(case, path):
+    """Several sequences' queries interleaved, and a padding query at position -1 that must stay zeros."""
+    p = with_padding_query(make_problem(case))
+    sinks = make_sinks(p)
+    got = SINK_PATHS[path](p, sinks)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    torch.testing.assert_close(got, expected_with_sinks(p, sinks), rtol=1e-5, atol=1e-5)
+
+
+def test_paths_with_sinks_chunk_queries_alike(monkeypatch):
+    p = with_padding_query(make_problem(SINK_CASES[1]))
+    sinks = make_sinks(p)
+    whole = {path: attend(p, sinks) for path, attend in SINK_PATHS.items()}
+    monkeypatch.setattr(pa, "_TORCH_GATHER_ELEMENTS", 1)  # one query per chunk
+    for path, attend in SINK_PATHS.items():
+        torch.testing.assert_close(attend(p, sinks), whole[path], rtol=1e-6, atol=1e-6, msg=path)
+
+
+def test_without_sinks_the_per_sequence_path_keeps_sdpa(monkeypatch):
+    """sinks=None never reaches the written-out softmax, and a sink of -inf (which weighs nothing)
+    through it gives what SDPA gives."""
+    p = with_padding_query(make_problem(SINK_CASES[0]))
+    no_weight = torch.full((p.q.shape[1],), float("-inf"))
+    with_sink_column = SINK_PATHS["per_sequence"](p, no_weight)
+
+    def fail(*_):
+        raise AssertionError("sink_attention without sinks")
+
+    monkeypatch.setattr(pa, "sink_attention", fail)
+    sdpa = SINK_PATHS["per_sequence"](p, None)
+    assert torch.equal(sdpa, pa.paged_attention_per_sequence(*p.args(), scale=p.scale, window=p.window))
+    torch.testing.assert_close(with_sink_column, sdpa, rtol=1e-5, atol=1e-5)
 
 
 def check_interpreted(cases: list[tuple]) -> None:
@@ -249,6 +334,20 @@ def check_interpreted(cases: list[tuple]) -> None:
         torch.testing.assert_close(got, expected(p), rtol=1e-5, atol=1e-5, msg=lambda m: f"latent {config}: {m}")
 
 
+def check_interpreted_sinks(cases: list[tuple]) -> None:
+    """Run in the subprocess, with TRITON_INTERPRET=1: the fp32 kernel with sinks on CPU tensors vs
+    the eager reference, a padding query included."""
+    from moe_serve.engine.kv.paged_attention import paged_attention_triton
+    for i, case in enumerate(cases):
+        p = with_padding_query(make_problem(case, seed=i))
+        sinks = make_sinks(p, seed=i)
+        reference = expected_with_sinks(p, sinks)  # [T, nq, D]
+        for config in (TINY, None):
+            got = paged_attention_triton(*p.args(), scale=p.scale, window=p.window, config=config, sinks=sinks)
+            assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5, msg=lambda m, case=case, config=config: f"{case} {config}: {m}")
+
+
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and paged_attention_available("cuda")),
                                 reason="needs a CUDA device and triton")
 
@@ -256,6 +355,11 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and paged_attenti
 @needs_triton
 def test_interpreter_matches_torch_path():
     run_interpreted(__file__, f"check_interpreted({CASES!r})")
+
+
+@needs_triton
+def test_interpreter_with_sinks_matches_the_eager_reference():
+    run_interpreted(__file__, f"check_interpreted_sinks({SINK_CASES!r})")
 
 
 @needs_cuda
@@ -268,6 +372,20 @@ def test_cuda_bf16_matches_torch_path(case):
     torch.testing.assert_close(got.float(), expected(p), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, torch_path(p), rtol=3e-2, atol=3e-2)
     assert torch.equal(paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span), got)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_cuda_bf16_kernel_with_sinks_matches_torch_path(case):
+    p = with_padding_query(make_problem(case, torch.bfloat16, "cuda"))
+    sinks = make_sinks(p)
+    got = pa.paged_attention_triton(*p.args(), scale=p.scale, window=p.window, sinks=sinks)
+    assert got.dtype == torch.bfloat16 and got.shape == p.q.shape
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    torch.testing.assert_close(got.float(), expected_with_sinks(p, sinks), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got, SINK_PATHS["torch"](p, sinks), rtol=3e-2, atol=3e-2)
+    assert torch.equal(paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span, sinks=sinks),
+                       got)
 
 
 @needs_cuda
@@ -305,9 +423,13 @@ def test_cuda_latent_attention_heads_wider_than_the_kernel_take_the_torch_path()
 
 
 @needs_cuda
-def test_cuda_bf16_prefill_runs_match_the_reference():
-    """The split on a GPU: long runs through bf16 SDPA, the rest through the kernel."""
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_cuda_bf16_prefill_runs_match_the_reference(with_sinks):
+    """The split on a GPU: long runs through bf16 SDPA (with sinks, fp32 sink_attention), the rest
+    through the kernel."""
     p, runs, others = with_prefill_runs(make_problem(PREFILL_CASE, torch.bfloat16, "cuda"))
+    sinks = make_sinks(p) if with_sinks else None
     got = paged_attention(*p.args(), scale=p.scale, window=p.window, max_span=p.max_span, prefill_runs=runs,
-                          other_queries=others)
-    torch.testing.assert_close(got.float(), expected(p), rtol=2e-2, atol=2e-2)
+                          other_queries=others, sinks=sinks)
+    reference = expected(p) if sinks is None else expected_with_sinks(p, sinks)
+    torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)

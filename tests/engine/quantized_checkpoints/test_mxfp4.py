@@ -126,3 +126,23 @@ def test_k_of_ragged_blocks_is_refused_by_name(tmp_path) -> None:
     path = quantized_pair(src, tmp_path, SETTINGS, gpt_oss_layout)[0]  # down_proj [64, 48] padded to 64
     with pytest.raises(ValueError, match="mxfp4 experts need matrices of whole 1 x 32 blocks; one is 64 x 48"):
         load(path)
+
+
+def gpt_oss_published(name: str, w: torch.Tensor):
+    """gpt-oss's experts as released: transformers holds gate_up_proj [E, H, 2I] and down_proj [E, I, H]
+    (inputs by outputs), the release their blocks by output rows, gate and up rows still alternating."""
+    if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return None
+    blocks, scales, dequantized = mxfp4(w.transpose(-1, -2))
+    return {name + "_blocks": blocks, name + "_scales": scales}, dequantized.transpose(-1, -2)
+
+
+def test_gpt_oss_experts_load_as_released(tmp_path) -> None:
+    src = build_tiny_checkpoint("gpt_oss", tmp_path / "float")
+    settings = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                    "model.layers.*.mlp.router",
+                                                                    "model.embed_tokens", "lm_head"]}
+    quantized_path, reference_path = quantized_pair(src, tmp_path, settings, gpt_oss_published)
+    quantized, reference = load(quantized_path), load(reference_path)
+    assert quantized.store.layout.format.name == "mxfp4" and quantized.store.layout.biases
+    assert_same_model(quantized, reference)
