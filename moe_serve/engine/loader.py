@@ -400,6 +400,8 @@ def _load_params(
         dst = params[target.ours][_part_rows(config, params[target.ours], target.part)]
         if config.rope_interleaved and target.part in ("q", "k"):
             tensor = pairs_to_halves_rows(tensor, config.num_heads if target.part == "q" else config.num_kv_heads)
+        if config.mla is not None and config.mla.rope_interleaved:
+            tensor = _latent_rope_halves(tensor, target.ours, config)
         if dst.shape != tensor.shape and tensor.shape == (1, *dst.shape):  # a vector saved as [1, N] (ERNIE's)
             tensor = tensor[0]
         if dst.shape != tensor.shape:
@@ -410,6 +412,21 @@ def _load_params(
     if missing:
         names = [_hf_name(name, part, rules) for name, part in missing[:5]]
         raise LoadError(f"missing tensors {', '.join(names)} ({len(missing)} missing)")
+
+
+def _latent_rope_halves(tensor: torch.Tensor, ours: str, config: ModelConfig) -> torch.Tensor:
+    """DeepSeek's roped dims from adjacent pairs to halves, in the rows that make them: each head's last
+    qk_rope_head_dim rows of q (q_b), and kv_a's last ones (the shared roped key). Once here instead of
+    on the queries and keys of every forward; q.k is the same with both reordered."""
+    rope = config.mla.qk_rope_head_dim
+    if ours.endswith((".attn.q.weight", ".attn.q_b.weight")):
+        heads, rest = config.num_heads, tensor.shape[1:]
+        rows = tensor.reshape(heads, -1, *rest)  # [n, nope + rope, ...]
+        roped = pairs_to_halves_rows(rows[:, -rope:].reshape(heads * rope, *rest), heads)
+        return torch.cat([rows[:, :-rope], roped.reshape(heads, rope, *rest)], dim=1).reshape(tensor.shape)
+    if ours.endswith((".attn.kv_a.weight", ".attn.kv_a.bias")):
+        return torch.cat([tensor[:-rope], pairs_to_halves_rows(tensor[-rope:], 1)])
+    return tensor
 
 
 def _hf_name(ours: str, part: str | None, rules: tuple[TensorRule, ...]) -> str:

@@ -152,8 +152,7 @@ class LatentAttentionLayer(nn.Module):
         latent, k_pe = self.kv_a(x).split([rank, mla.qk_rope_head_dim], dim=-1)  # [T, C], [T, R]
         latent = self.kv_a_norm(latent)
         k_pe = k_pe[:, None]  # [T, 1, R]
-        if mla.rope_interleaved:  # pairs (x0, x1), (x2, x3), ... to halves: the same rotation, as apply_rotary's
-            q_pe, k_pe = _pairs_to_halves(q_pe), _pairs_to_halves(k_pe)
+        # roped dims in halves, as apply_rotary turns them: an interleaved checkpoint's rows are reordered at load
         q_pe, k_pe = apply_rotary(q_pe, step.cos, step.sin), apply_rotary(k_pe, step.cos, step.sin)
         w = self.kv_b.weight.view(heads, nope + mla.v_head_dim, rank)  # [n, nope + v, C]
         q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :nope]).transpose(0, 1)  # [T, n, C]
@@ -163,11 +162,6 @@ class LatentAttentionLayer(nn.Module):
         weighted = out.view(t, heads, -1)[..., :rank]  # [T, n, C]
         values = torch.bmm(weighted.transpose(0, 1), w[:, nope:].transpose(1, 2))  # [n, T, v]
         return self.o(values.transpose(0, 1).reshape(t, -1))  # [T, H]
-
-
-def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
-    """x [..., D] with its rotated dims in interleaved pairs -> the even dims, then the odd ones."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 @dataclass(frozen=True)

@@ -18,4 +18,6 @@ class LatentAttention:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    rope_interleaved: bool  # the roped dims come in (x0, x1), (x2, x3) pairs, not in halves
+    # the checkpoint's roped dims come in (x0, x1), (x2, x3) pairs, not in halves: the loader reorders
+    # the rows making them (loader._latent_rope_halves)
+    rope_interleaved: bool
