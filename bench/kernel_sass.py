@@ -38,6 +38,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from moe_serve.engine.experts import fused_experts, grouped_experts  # noqa: E402
+from moe_serve.engine.experts.activation import ExpertActivation  # noqa: E402
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 4096, 14336  # Mixtral's expert shape
@@ -53,8 +54,10 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
     fmt = expert_format(quant, torch.bfloat16)
     operands = {"w_ptr": f"*{_triton_dtype(fmt.data_dtype)}", "s_ptr": f"*{_triton_dtype(fmt.scale_dtype or fmt.data_dtype)}",
                 "row_stride": "i64", "scale_stride": "i64"}
+    # no expert biases (b_ptr and bias_stride None: compile-time constants, as a launch passes them), silu
     format_constants = {"H": HIDDEN, "I": INTERMEDIATE, "K": 2, "DATA": 0, "SCALES": 0, "LOAD": fmt.triton_load,
-                        "COLS": fmt.triton_cols}
+                        "COLS": fmt.triton_cols, "b_ptr": None, "bias_stride": None, "BIAS": 0, "BIASES": False,
+                        **ExpertActivation().kernel_args}
     if kernel == "fused":
         dot = fmt.triton_dot
         cfg = fused_experts.default_config(1, HIDDEN, INTERMEDIATE, dot is not None, dot is not None)

@@ -83,7 +83,7 @@ def test_expert_given_twice_is_refused(copy: Path) -> None:
 
 def test_unsupported_architecture(copy: Path) -> None:
     config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "architectures": ["GptOssForCausalLM"]}))
+    (copy / "config.json").write_text(json.dumps({**config, "architectures": ["JambaForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architectures.*Qwen2MoeForCausalLM"):
         _load(copy)
 
