@@ -24,6 +24,7 @@ from moe_serve.engine.cli import package_version
 from moe_serve.engine.config import EngineConfig
 from moe_serve.server.engine_client import EngineClient, EngineSupervisor, InFlightCounts, SharedEngine
 from moe_serve.server.errors import APIError, error_response, install_error_handlers, unknown_model
+from moe_serve.server.harmony import Harmony, load_encoding
 from moe_serve.server.metrics import ServerMetrics
 from moe_serve.server.responses_api import ResponseStore
 from moe_serve.server.responses_api import router as responses_router
@@ -49,7 +50,10 @@ def create_app(settings: ServerSettings, engine_config: EngineConfig, on_fatal: 
     supervisor = EngineSupervisor(engine_config, addresses) if shared is None else None
     tokenizer = Tokenizer(engine_config.model, engine_config.trust_remote_code, tokenizer_dir=settings.tokenizer,
                           chat_template=settings.chat_template)
-    state = AppState(settings, engine, tokenizer, metrics, system_fingerprint(engine_config))
+    harmony = Harmony(load_encoding()) if settings.harmony else None
+    if harmony is not None:
+        harmony.check_tokenizer(tokenizer)
+    state = AppState(settings, engine, tokenizer, metrics, system_fingerprint(engine_config), harmony)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

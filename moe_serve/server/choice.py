@@ -10,6 +10,7 @@ from functools import partial
 
 from moe_serve.engine.messages import RequestOutput, SamplingParams, TokenLogprob
 from moe_serve.server.detokenizer import IncrementalDetokenizer
+from moe_serve.server.harmony import HarmonyStream
 from moe_serve.server.reasoning import ReasoningStream
 from moe_serve.server.stop import StopMatcher
 from moe_serve.server.tokenizer import Tokenizer
@@ -37,12 +38,15 @@ class ChoiceDelta:
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1.., when asked
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
-    reasoning: str = ""  # with --reasoning-parser: the <think> section's text, kept out of `text`
+    reasoning: str = ""  # with --reasoning-parser (or harmony's analysis channel): kept out of `text`
 
 
 class ChoiceDecoder:
     def __init__(self, index: int, tokenizer: Tokenizer, text: TextOptions, params: SamplingParams,
-                 tool_calls: ToolCallStream | None = None, reasoning: ReasoningStream | None = None) -> None:
+                 tool_calls: ToolCallStream | None = None, reasoning: ReasoningStream | None = None,
+                 harmony: HarmonyStream | None = None) -> None:
+        """harmony: the answer is in gpt-oss's harmony format, read from its tokens into reasoning, content
+        and calls (instead of the text's going through reasoning and tool_calls)."""
         self.index = index
         self.completion_tokens = 0
         self.finish_reason: str | None = None  # the engine's (or "stop" for a stop string), never "tool_calls"
@@ -51,6 +55,7 @@ class ChoiceDecoder:
                                              tokenizer.backend, skip_special_tokens)
         self._tool_calls = tool_calls
         self._reasoning = reasoning
+        self._harmony = harmony
         self._stops = StopMatcher(text.stops, text.include_stop_str_in_output)
         # a stop token is not text, unless the stop is to be included (EOS then still goes if special)
         self._hidden_token_ids = frozenset(() if text.include_stop_str_in_output else params.stop_token_ids)
@@ -61,17 +66,14 @@ class ChoiceDecoder:
         delta = self._decode(out)
         if self._reasoning is not None:  # the reasoning comes first: a call inside it is no call
             delta.reasoning, delta.text = self._reasoning.feed(delta.text, delta.finish_reason is not None)
-        if self._tool_calls is not None:
-            self._read_tool_calls(delta)
+        if self._tool_calls is not None:  # tool markup out of the text and into calls
+            delta.text, delta.tool_calls = self._tool_calls.feed(delta.text, delta.finish_reason is not None)
+        if delta.finish_reason == "stop" and self._called():  # one cut by max_tokens keeps "length"
+            delta.finish_reason = "tool_calls"
         return delta
 
-    def _read_tool_calls(self, delta: ChoiceDelta) -> None:
-        """Tool markup out of the text and into calls; a choice that ended by itself after making
-        calls finishes with "tool_calls" (one cut by max_tokens keeps "length")."""
-        final = delta.finish_reason is not None
-        delta.text, delta.tool_calls = self._tool_calls.feed(delta.text, final)
-        if final and delta.finish_reason == "stop" and self._tool_calls.called:
-            delta.finish_reason = "tool_calls"
+    def _called(self) -> bool:
+        return any(reader is not None and reader.called for reader in (self._tool_calls, self._harmony))
 
     def _decode(self, out: RequestOutput) -> ChoiceDelta:
         if out.finish_reason == "error":
@@ -83,12 +85,28 @@ class ChoiceDecoder:
                 continue
             if i < len(out.logprobs):
                 delta.logprobs.append(out.logprobs[i])
-            if self._feed(delta, self._detok.add(token)):
+            if self._feed(delta, self._text(token, delta)):
                 return delta
-        if out.finish_reason is not None and not self._feed(delta, self._detok.flush()):
+        if out.finish_reason is not None and not self._feed(delta, self._text(None, delta)):
             delta.text += self._stops.flush()
             self.finish_reason = delta.finish_reason = out.finish_reason
         return delta
+
+    def _text(self, token: int | None, delta: ChoiceDelta) -> str:
+        """The text a token adds (None: what is left at the end). With harmony that is the content
+        alone, and the token's reasoning and call pieces go into delta as they are, past the stop strings."""
+        if self._harmony is None:
+            return self._detok.flush() if token is None else self._detok.add(token)
+        if token is None:
+            return ""
+        part = self._harmony.add(token)
+        delta.reasoning += part.reasoning
+        for call in part.tool_calls:  # a call's pieces within one output as one delta
+            if delta.tool_calls and delta.tool_calls[-1].index == call.index:
+                delta.tool_calls[-1].arguments += call.arguments
+            else:
+                delta.tool_calls.append(call)
+        return part.content
 
     def _feed(self, delta: ChoiceDelta, text: str) -> bool:
         """Append text through the stop matcher; True once a stop string ended the choice."""

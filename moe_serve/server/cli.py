@@ -29,9 +29,9 @@ from moe_serve.engine.config import ConfigError, EngineConfig
 from moe_serve.engine.gguf import is_gguf
 from moe_serve.engine.logging_config import adopt_transformers_logging
 from moe_serve.server.engine_client import EngineClient, EngineSupervisor, InFlightCounts, SharedEngine
-from moe_serve.server.reasoning import REASONING_PARSERS
+from moe_serve.server.reasoning import HARMONY_REASONING_PARSER, REASONING_PARSERS
 from moe_serve.server.settings import SamplingDefaults, ServerSettings, read_chat_template
-from moe_serve.server.tool_parsers import TOOL_PARSERS
+from moe_serve.server.tool_parsers import HARMONY_TOOL_CALL_PARSER, TOOL_PARSERS
 
 log = logging.getLogger("moe_serve")
 PRESETS = Path(__file__).resolve().parents[1] / "configs"  # package data: one YAML per preset
@@ -92,14 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "event loop's time per request")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="no access-log line per response (vLLM's flag)")
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+    parser.add_argument("--tool-call-parser", choices=sorted([*TOOL_PARSERS, HARMONY_TOOL_CALL_PARSER]), default=None,
                         help="reads tool calls out of the model's text for tool_choice 'auto': hermes (Qwen2.5, "
                              "Qwen3, the embedded default model), mistral, llama3_json, deepseek_v3, glm45 "
-                             "(GLM-4.5), qwen3_coder (Qwen3-Coder), minimax_m2 (default: none, "
-                             "and 'auto' is a 400; 'required' and named functions work without one)")
-    parser.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                             "(GLM-4.5), qwen3_coder (Qwen3-Coder), minimax_m2, openai (gpt-oss's harmony format, "
+                             "also on by itself for a gpt-oss checkpoint) (default: none, and 'auto' is a 400; "
+                             "'required' and named functions work without one)")
+    parser.add_argument("--reasoning-parser", choices=[*REASONING_PARSERS, HARMONY_REASONING_PARSER], default=None,
                         help="puts a chat answer's <think> section into reasoning_content: deepseek_r1 (the "
-                             "template opens it), qwen3 (the answer opens it) (default: none, all text is content)")
+                             "template opens it), qwen3 (the answer opens it); openai_gptoss: the harmony format's "
+                             "analysis channel (gpt-oss; on by itself for its checkpoints) (default: none, all "
+                             "text is content)")
     return parser
 
 
@@ -167,12 +170,18 @@ def _flag_value(value: object) -> str:
 
 
 def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings; a ConfigError for flags the model cannot be served with."""
+    from moe_serve.engine.loader import read_config  # torch: not for --help
+    from moe_serve.server.harmony import uses_harmony
+
+    harmony = uses_harmony(args.tool_call_parser, args.reasoning_parser, args.chat_template,
+                           read_config(args.model).family)
     return ServerSettings(
         served_model_name=args.served_model_name or Path(args.model).name, host=args.host, port=args.port,
         api_key=args.api_key or None, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
         metrics_require_key=args.metrics_require_key, max_body_bytes=args.max_body_bytes,
         drain_seconds=args.drain_seconds, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, tokenizer=args.tokenizer,
+        reasoning_parser=args.reasoning_parser, harmony=harmony, tokenizer=args.tokenizer,
         chat_template=None if args.chat_template is None else read_chat_template(args.chat_template),
         sampling_defaults=SamplingDefaults.read(args.generation_config, args.model),
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
@@ -269,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         listener = startup_checks(args, engine_config)
         settings = server_settings_from_args(args)
+        if settings.harmony:  # its vocabulary, before the engine starts: each API server process loads it again
+            from moe_serve.server.harmony import load_encoding
+
+            load_encoding()
     except ConfigError as exc:
         sys.exit(f"moe-serve: {exc}")
     set_engine_threads(args.api_server_count)
@@ -294,6 +307,8 @@ def serve(settings: ServerSettings, engine_config: EngineConfig, listener: socke
 
     try:
         app = create_app(settings, engine_config, on_fatal=stop, shared=shared)
+    except ConfigError as exc:  # harmony: its vocabulary gone since main's check, or not the model's tokenizer
+        sys.exit(f"moe-serve: {exc}")
     except (OSError, ValueError) as exc:  # the tokenizer's files are there but transformers cannot read them
         # transformers builds no tokenizer of an olmoe, deepseek2, glm4moe, ernie4_5-moe, minimax-m2 or dots1 GGUF
         hint = ("; give the checkpoint's tokenizer folder as --tokenizer DIR" if settings.tokenizer is None

@@ -21,7 +21,7 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's code: the client is gone, nobody reads th
 # rather than unknown, so a client learns the feature is missing, not misspelt.
 UNSUPPORTED_FIELDS = frozenset({
     "functions", "function_call",  # the deprecated spelling of tools / tool_choice
-    "echo", "suffix", "best_of", "audio", "modalities", "prediction", "reasoning_effort",
+    "echo", "suffix", "best_of", "audio", "modalities", "prediction",
     "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier",
 })

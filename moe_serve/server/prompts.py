@@ -6,7 +6,14 @@ from dataclasses import dataclass
 
 from moe_serve.engine.messages import EngineReady, GenerateRequest, SamplingParams, StructuredOutput
 from moe_serve.server.errors import bad_request
-from moe_serve.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationFields
+from moe_serve.server.harmony import Harmony
+from moe_serve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerationFields,
+    TokenizeChatRequest,
+)
 from moe_serve.server.settings import OPENAI_DEFAULTS, SamplingDefaults
 from moe_serve.server.tokenizer import Tokenizer
 
@@ -19,8 +26,15 @@ class Plan:
     prompt_tokens: int  # for usage: each prompt counted once, however large n is
 
 
-def chat_prompts(body: ChatCompletionRequest, tokenizer: Tokenizer, tools: list[dict] | None = None) -> list[list[int]]:
-    """tools: the tool objects the template renders (none when tool_choice is "none")."""
+def chat_prompts(body: ChatCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer, tools: list[dict] | None = None,
+                 harmony: Harmony | None = None) -> list[list[int]]:
+    """tools: the tool objects the prompt offers (none when tool_choice is "none"); harmony: the server
+    speaks gpt-oss's harmony format, which renders the prompt instead of the chat template."""
+    if harmony is not None:
+        return [harmony.prompt_ids(body, tools)]
+    if body.reasoning_effort is not None:
+        raise bad_request("reasoning_effort is the harmony format's (gpt-oss); this model's chat template takes "
+                          "its switches in chat_template_kwargs", "reasoning_effort")
     messages = [_template_message(m) for m in body.messages]
     return [tokenizer.chat_prompt_ids(messages, **body.template_options(), tools=tools)]
 
@@ -33,6 +47,8 @@ def _template_message(message: ChatMessage) -> dict:
         rendered["name"] = message.name
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        rendered["reasoning_content"] = message.reasoning_content
     if message.tool_calls is not None:
         rendered["tool_calls"] = [
             {"id": call.id, "type": call.type,

@@ -64,6 +64,9 @@ class ChatMessage(_Strict):
     name: str | None = None  # the participant's name, passed to the chat template
     tool_calls: list[ToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this is the result of
+    # assistant turns: their reasoning, as this server answered it (an agent loop sends it back so the
+    # model keeps its chain of thought across tool calls); to the chat template as reasoning_content
+    reasoning_content: str | None = None
 
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
@@ -76,6 +79,8 @@ class ChatMessage(_Strict):
             raise bad_request("content may be null only on an assistant message with tool_calls", f"{at}.content")
         if self.tool_calls is not None and self.role != "assistant":
             raise bad_request("only assistant messages carry tool_calls", f"{at}.tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise bad_request("only assistant messages carry reasoning_content", f"{at}.reasoning_content")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise bad_request("a tool message needs tool_call_id, and only a tool message has one",
                               f"{at}.tool_call_id")
@@ -247,6 +252,9 @@ class ChatTemplateFields(_Strict):
     add_generation_prompt: bool | None = None  # default true: the prompt ends with an open assistant turn
     continue_final_message: bool | None = None  # the prompt ends inside the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking, ...)
+    # OpenAI's field; the harmony format's system message says it (moe_serve/server/harmony.py), other
+    # templates take their own switches through chat_template_kwargs
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check_template(self, messages: list[ChatMessage]) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -441,6 +449,12 @@ class ResponsesText(_Strict):
     format: ResponsesTextFormat | None = None
 
 
+class ResponsesReasoning(_Strict):
+    """reasoning.effort; no summary: this server does not summarise the reasoning it returns whole."""
+
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 class ResponsesNamedFunction(_Strict):
     type: Literal["function"]
     name: str
@@ -459,6 +473,7 @@ class ResponsesRequest(_Strict):
     store: bool | None = None  # default true, as OpenAI's: kept in memory for GET and previous_response_id
     previous_response_id: str | None = None
     text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
     # function tools, flat ({"type": "function", "name", "parameters", ...}); checked as chat's are
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesNamedFunction | None = None

@@ -17,6 +17,8 @@ from moe_serve.server.tool_parsers.base import held_marker_length
 
 START, END = "<think>", "</think>"
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+# vLLM's name for gpt-oss's analysis channel, which the harmony format reads (moe_serve/server/harmony.py)
+HARMONY_REASONING_PARSER = "openai_gptoss"
 
 
 class Phase(Enum):

@@ -4,7 +4,8 @@ A Responses body becomes a chat completion body (instructions as the system mess
 items as messages, function_call / function_call_output items as assistant tool calls and tool
 turns, text.format as response_format, function tools as chat tools), so templating,
 validation, sampling, structured outputs and tool calling are the chat path's own; only the
-answer's shape differs (a message item for its text, a function_call item per call). With store
+answer's shape differs (a reasoning item for its reasoning_content, a message item for its text, a
+function_call item per call; reasoning.effort is the chat path's reasoning_effort). With store
 (OpenAI's default) a bounded number of responses is kept (in SQLite, shared by the API server
 processes), for GET and for previous_response_id, which continues that response's conversation
 (its instructions are not carried over, as OpenAI documents).
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 
-from moe_serve.server.errors import CLIENT_CLOSED_REQUEST, APIError, validation_error
+from moe_serve.server.errors import CLIENT_CLOSED_REQUEST, APIError, bad_request, validation_error
 from moe_serve.server.prompts import chat_prompts
 from moe_serve.server.protocol import ChatCompletionRequest, ResponsesRequest
 from moe_serve.server.response_store import ResponseStore, StoredResponse
@@ -41,26 +42,33 @@ Event = tuple[str, dict]  # (type, fields) of one stream event
 
 
 class OutputItems:
-    """An answer's output items in the order they appear (its text message, its function calls), and
-    the stream events that open, grow and close them."""
+    """An answer's output items in the order they appear (its reasoning, its text message, its function
+    calls), and the stream events that open, grow and close them."""
 
     def __init__(self) -> None:
         self.items: list[dict] = []
         self._positions: dict[str, int] = {}  # item id -> output_index
-        self._message: dict | None = None
+        self._texts: dict[str, dict] = {}  # "message" / "reasoning" -> that item, once opened
         self._calls: dict[int, dict] = {}  # the chat path's tool call index -> its function_call item
 
     def add_text(self, text: str) -> list[Event]:
+        return self._add_to("message", text)
+
+    def add_reasoning(self, text: str) -> list[Event]:
+        """The chat path's reasoning_content (the harmony format's analysis channel) as a reasoning item."""
+        return self._add_to("reasoning", text)
+
+    def _add_to(self, kind: str, text: str) -> list[Event]:
         events = []
-        if self._message is None:
-            self._message = self._open({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress",
-                                        "role": "assistant", "content": [output_text("")]})
-            events += [("response.output_item.added", {"output_index": self._positions[self._message["id"]],
-                                                       "item": self._message | {"content": []}}),
-                       ("response.content_part.added", {**self._where(self._message), "part": output_text("")})]
-        self._message["content"][0]["text"] += text
+        item = self._texts.get(kind)
+        if item is None:
+            item = self._texts[kind] = self._open(_text_item(kind))
+            events += [("response.output_item.added", {"output_index": self._positions[item["id"]],
+                                                       "item": item | {"content": []}}),
+                       ("response.content_part.added", {**self._where(item), "part": _text_part(kind, "")})]
+        item["content"][0]["text"] += text
         if text:
-            events.append(("response.output_text.delta", {**self._where(self._message), "delta": text, "logprobs": []}))
+            events.append((f"{_TEXT_EVENTS[kind]}.delta", {**self._where(item), "delta": text, **_logprobs(kind)}))
         return events
 
     def add_call(self, delta: ToolCallDelta) -> list[Event]:
@@ -82,11 +90,12 @@ class OutputItems:
         """Every item done (an answer with none gets an empty message)."""
         events = [] if self.items else self.add_text("")
         for index, item in enumerate(self.items):
-            item["status"] = status if item is self._message else "completed"
-            if item is self._message:
+            kind = item["type"]
+            item["status"] = status if kind in _TEXT_EVENTS else "completed"
+            if kind in _TEXT_EVENTS:
                 text = item["content"][0]["text"]
-                events += [("response.output_text.done", {**self._where(item), "text": text, "logprobs": []}),
-                           ("response.content_part.done", {**self._where(item), "part": output_text(text)})]
+                events += [(f"{_TEXT_EVENTS[kind]}.done", {**self._where(item), "text": text, **_logprobs(kind)}),
+                           ("response.content_part.done", {**self._where(item), "part": _text_part(kind, text)})]
             else:
                 events.append(("response.function_call_arguments.done",
                                {"item_id": item["id"], "output_index": index, "arguments": item["arguments"]}))
@@ -97,8 +106,10 @@ class OutputItems:
         """The answer as the assistant turn a later previous_response_id continues from."""
         calls = [{"id": c["call_id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
                  for c in self.items if c["type"] == "function_call"]
-        text = self._message["content"][0]["text"] if self._message is not None else None
-        return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+        text, reasoning = (self._texts[kind]["content"][0]["text"] if kind in self._texts else None
+                           for kind in ("message", "reasoning"))
+        return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+                **({"reasoning_content": reasoning} if reasoning is not None else {})}
 
     def _open(self, item: dict) -> dict:
         self._positions[item["id"]] = len(self.items)
@@ -128,7 +139,8 @@ class ResponseDraft:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
             "output": output or [], "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": b.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": b.previous_response_id,
+            "reasoning": {"effort": b.reasoning.effort if b.reasoning is not None else None, "summary": None},
             "store": b.store is not False, "temperature": b.temperature, "top_p": b.top_p,
             "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
             "tool_choice": choice or "auto", "tools": b.tools or [], "truncation": "disabled", "usage": usage,
@@ -136,8 +148,27 @@ class ResponseDraft:
         }
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": []}
+# the items that hold text: the prefix of their text's stream events
+_TEXT_EVENTS = {"message": "response.output_text", "reasoning": "response.reasoning_text"}
+
+
+def _text_item(kind: str) -> dict:
+    if kind == "message":
+        return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "status": "in_progress", "role": "assistant",
+                "content": [_text_part(kind, "")]}
+    return {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "status": "in_progress", "summary": [],
+            "content": [_text_part(kind, "")]}
+
+
+def _text_part(kind: str, text: str) -> dict:
+    if kind == "message":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "reasoning_text", "text": text}
+
+
+def _logprobs(kind: str) -> dict:
+    """An answer's text events carry its logprobs (none asked for here); reasoning's carry none."""
+    return {"logprobs": []} if kind == "message" else {}
 
 
 def responses_usage(input_tokens: int, output_tokens: int) -> dict:
@@ -159,12 +190,16 @@ async def create_response(request: Request) -> Response:
         store.get(body.previous_response_id, "previous_response_id").conversation
     draft = ResponseDraft(f"resp_{uuid.uuid4().hex}", int(time.time()), state.settings.served_model_name, body,
                           [*earlier, *body.messages()])
+    if body.reasoning is not None and state.harmony is None:
+        raise bad_request("reasoning.effort is served with the harmony format (gpt-oss) only", "reasoning.effort")
     chat = _as_chat(body, draft.conversation)
     engine = checked_engine(state, chat)
     # the tool schemas compile and a long prompt is templated off the event loop, as on the chat path
-    tools = await asyncio.to_thread(tool_calling, chat, state.settings.tool_call_parser, state.grammars)
-    prompts = await asyncio.to_thread(chat_prompts, chat, state.tokenizer, tools and tools.template_tools)
-    gen = await start_generation(state, chat, prompts, draft.id, None, engine, tools)
+    tools = await asyncio.to_thread(tool_calling, chat, state.settings.tool_call_parser, state.grammars,
+                                    state.harmony is not None)
+    prompts = await asyncio.to_thread(chat_prompts, chat, state.tokenizer, tools and tools.template_tools,
+                                      state.harmony)
+    gen = await start_generation(state, chat, prompts, draft.id, None, engine, tools, harmony=state.harmony)
     if body.stream:
         return EventSourceResponse(_events(gen, draft, store), sep="\n",
                                    shutdown_grace_period=state.settings.stream_grace_seconds)
@@ -172,6 +207,8 @@ async def create_response(request: Request) -> Response:
     if choices is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     items, [whole] = OutputItems(), choices
+    if whole.reasoning:
+        items.add_reasoning(whole.reasoning)
     if whole.text:
         items.add_text(whole.text)
     for call in whole.tool_calls:
@@ -192,7 +229,8 @@ def _as_chat(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> Chat
     fmt = body.text.format if body.text is not None else None
     chat = {"model": body.model, "messages": [*system, *conversation], "max_completion_tokens": body.max_output_tokens,
             "temperature": body.temperature, "top_p": body.top_p, "user": body.user,
-            "response_format": fmt.response_format() if fmt is not None else None, **body.chat_tools()}
+            "response_format": fmt.response_format() if fmt is not None else None,
+            "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None, **body.chat_tools()}
     try:
         chat_body = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
@@ -227,7 +265,8 @@ async def _events(gen: Generation, draft: ResponseDraft, store: ResponseStore) -
         yield event("response.in_progress", {"response": draft.render("in_progress")})
         async for delta in gen.deltas():
             finish_reason = delta.finish_reason or finish_reason
-            for kind, fields in [*(items.add_text(delta.text) if delta.text else []),
+            for kind, fields in [*(items.add_reasoning(delta.reasoning) if delta.reasoning else []),
+                                 *(items.add_text(delta.text) if delta.text else []),
                                  *(e for call in delta.tool_calls for e in items.add_call(call))]:
                 yield event(kind, fields)
         closing, final = _finish(gen, draft, items, finish_reason, store)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from moe_serve.engine.messages import EngineReady
 from moe_serve.server.choice import TextOptions
 from moe_serve.server.errors import bad_request, engine_unavailable, unknown_model, validation_error
+from moe_serve.server.harmony import Harmony, final_answer
 from moe_serve.server.prompts import chat_prompts, completion_prompts, make_plan
 from moe_serve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from moe_serve.server.responses import ChatFormat, CompletionFormat, PromptEcho, ResponseFormat
@@ -40,12 +41,13 @@ async def chat_completions(request: Request) -> Response:
     engine = checked_engine(state, body)
     _check_fits(body.n or 1, state.settings.max_queue, "n")
     # a forced tool call's schema compiles against the tokenizer: off the loop
-    tools = await _off_loop_if(bool(body.tools), tool_calling, body, state.settings.tool_call_parser, state.grammars)
+    tools = await _off_loop_if(bool(body.tools), tool_calling, body, state.settings.tool_call_parser, state.grammars,
+                               state.harmony is not None)
     prompts = await _off_loop_if(size > INLINE_BODY_BYTES, chat_prompts, body, state.tokenizer,
-                                 tools and tools.template_tools)
+                                 tools and tools.template_tools, state.harmony)
     fmt = ChatFormat(state.tokenizer.token_text, bool(body.logprobs), body.prompt_logprobs)
     return await _serve(request, state, body, prompts, fmt, body.engine_logprobs(), engine, tools,
-                        state.settings.reasoning_parser)
+                        state.settings.reasoning_parser, state.harmony)
 
 
 @router.post("/v1/completions")
@@ -99,9 +101,10 @@ def checked_engine(state: AppState, body: GenerationFields) -> EngineReady:
 
 async def _serve(request: Request, state: AppState, body: GenerationFields, prompts: list[list[int]],
                  fmt: ResponseFormat, logprobs: int | None, engine: EngineReady,
-                 tools: ToolCalling | None = None, reasoning_parser: str | None = None) -> Response:
+                 tools: ToolCalling | None = None, reasoning_parser: str | None = None,
+                 harmony: Harmony | None = None) -> Response:
     env = Envelope.new(fmt, state.settings.served_model_name, state.system_fingerprint)
-    gen = await start_generation(state, body, prompts, env.id, logprobs, engine, tools, reasoning_parser)
+    gen = await start_generation(state, body, prompts, env.id, logprobs, engine, tools, reasoning_parser, harmony)
     if body.stream:
         return respond_stream(gen, env, body.include_usage(), state.settings.stream_grace_seconds)
     return await respond_json(request, gen, env)
@@ -109,20 +112,27 @@ async def _serve(request: Request, state: AppState, body: GenerationFields, prom
 
 async def start_generation(state: AppState, body: GenerationFields, prompts: list[list[int]], request_id: str,
                            logprobs: int | None, engine: EngineReady, tools: ToolCalling | None = None,
-                           reasoning_parser: str | None = None) -> Generation:
+                           reasoning_parser: str | None = None, harmony: Harmony | None = None) -> Generation:
     """Plan a validated body's engine requests and submit them (/v1/responses shares this too).
 
-    tools, reasoning_parser: chat only; a constrained answer has no reasoning section to split off."""
+    tools, reasoning_parser, harmony: chat only; a constrained answer has no reasoning section to split
+    off, but in harmony it has (the constraint is written in its markup)."""
     requested = requested_structured_output(body)
+    if harmony is not None and requested is not None:
+        requested = requested[0], final_answer(requested[1])
+    if harmony is not None and body.skip_special_tokens is False:
+        raise bad_request("with the harmony format the answer's markup is read into reasoning_content, content "
+                          "and tool_calls; there are no special tokens to keep in the text", "skip_special_tokens")
     structured = None if requested is None else await asyncio.to_thread(
         checked_structured_output, *requested, state.grammars)  # compiles: off the loop
     if tools is not None:
         structured = tools.constrain(structured)
-    plan = make_plan(body, prompts, request_id, engine, state.tokenizer.eos_token_ids,
+    stop_token_ids = state.tokenizer.eos_token_ids + (harmony.stop_token_ids if harmony is not None else ())
+    plan = make_plan(body, prompts, request_id, engine, stop_token_ids,
                      state.settings.max_tokens_cap, logprobs, structured, state.settings.sampling_defaults)
     if state.settings.log_requests:
         log.info("%s: %d prompt tokens, %d choices%s", request_id, plan.prompt_tokens, len(plan.requests),
                  f", user {body.user!r}" if body.user else "")
     text = TextOptions(body.stop_strings(), body.skip_special_tokens is not False, bool(body.include_stop_str_in_output))
     return Generation(plan, state.engine, state.metrics, state.tokenizer, text, state.settings.max_queue, tools,
-                      reasoning_parser if structured is None else None)
+                      reasoning_parser if structured is None else None, harmony)

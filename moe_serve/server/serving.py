@@ -21,10 +21,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from moe_serve.engine.messages import RequestOutput
+from moe_serve.engine.messages import RequestOutput, SamplingParams
 from moe_serve.server.choice import ChoiceDecoder, ChoiceDelta, EngineRequestError, TextOptions
 from moe_serve.server.engine_client import EngineClient, EngineUnavailable
 from moe_serve.server.errors import CLIENT_CLOSED_REQUEST, APIError, engine_unavailable
+from moe_serve.server.harmony import Harmony
 from moe_serve.server.metrics import ServerMetrics
 from moe_serve.server.output_sink import EngineLost, OutputSink
 from moe_serve.server.prompts import Plan
@@ -61,11 +62,11 @@ class Generation:
 
     def __init__(self, plan: Plan, engine: EngineClient, metrics: ServerMetrics, tokenizer: Tokenizer,
                  text: TextOptions, max_queue: int, tool_calling: ToolCalling | None = None,
-                 reasoning_parser: str | None = None) -> None:
+                 reasoning_parser: str | None = None, harmony: Harmony | None = None) -> None:
+        """harmony: the answers are in gpt-oss's harmony format, which carries their reasoning and calls."""
         self.plan, self.engine, self.metrics = plan, engine, metrics
-        self.choices = {r.request_id: ChoiceDecoder(i, tokenizer, text, r.params,
-                                                    tool_calling.stream() if tool_calling else None,
-                                                    ReasoningStream(reasoning_parser) if reasoning_parser else None)
+        self.choices = {r.request_id: _choice_decoder(i, r.params, tokenizer, text, tool_calling, reasoning_parser,
+                                                      harmony)
                         for i, r in enumerate(plan.requests)}
         self.sink = OutputSink()
         self.arrival = time.perf_counter()
@@ -127,6 +128,16 @@ class Generation:
         self.metrics.generation_tokens.inc(self.completion_tokens)
         if not unfinished:
             self.metrics.e2e.observe(time.perf_counter() - self.arrival)
+
+
+def _choice_decoder(index: int, params: SamplingParams, tokenizer: Tokenizer, text: TextOptions,
+                    tool_calling: ToolCalling | None, reasoning_parser: str | None,
+                    harmony: Harmony | None) -> ChoiceDecoder:
+    if harmony is not None:
+        stream = harmony.stream(tool_calling is not None, tool_calling.max_calls if tool_calling else None)
+        return ChoiceDecoder(index, tokenizer, text, params, harmony=stream)
+    return ChoiceDecoder(index, tokenizer, text, params, tool_calling.stream() if tool_calling else None,
+                         ReasoningStream(reasoning_parser) if reasoning_parser else None)
 
 
 async def respond_json(request: Request, gen: Generation, env: Envelope) -> Response:

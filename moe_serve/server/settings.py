@@ -85,6 +85,7 @@ class ServerSettings:
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_call_parser: str | None = None  # reads tool calls out of tool_choice "auto" answers; None: no "auto"
     reasoning_parser: str | None = None  # splits chat answers' <think> sections off as reasoning_content
+    harmony: bool = False  # gpt-oss's harmony format renders chat prompts and reads answers (server/harmony.py)
     # CORS (browsers only): no origin by default, so a web page the user visits cannot call this server
     allowed_origins: tuple[str, ...] = ()
     allowed_methods: tuple[str, ...] = ("*",)
@@ -110,7 +111,7 @@ class ServerSettings:
                 "max_tokens_cap": self.max_tokens_cap, "metrics_require_key": self.metrics_require_key,
                 "max_body_bytes": self.max_body_bytes,
                 "drain_seconds": self.drain_seconds, "tool_call_parser": self.tool_call_parser,
-                "reasoning_parser": self.reasoning_parser,
+                "reasoning_parser": self.reasoning_parser, "harmony": self.harmony,
                 "tokenizer": self.tokenizer, "chat_template": "given" if self.chat_template else "the checkpoint's",
                 "sampling_defaults": self.sampling_defaults.describe(),
                 "allowed_origins": self.allowed_origins, "allowed_methods": self.allowed_methods,

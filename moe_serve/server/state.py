@@ -1,4 +1,4 @@
-"""What the request handlers share: settings, engine client, tokenizer, metrics; API-key check."""
+"""What the request handlers share: settings, engine client, tokenizer, metrics, harmony; API-key check."""
 from __future__ import annotations
 
 import hmac
@@ -9,6 +9,7 @@ from fastapi import Request
 from moe_serve.engine.structured import Grammars
 from moe_serve.server.engine_client import EngineClient
 from moe_serve.server.errors import APIError
+from moe_serve.server.harmony import Harmony
 from moe_serve.server.metrics import ServerMetrics
 from moe_serve.server.settings import ServerSettings
 from moe_serve.server.tokenizer import Tokenizer
@@ -21,6 +22,7 @@ class AppState:
     tokenizer: Tokenizer
     metrics: ServerMetrics
     system_fingerprint: str  # every chat and completion body: this build and its engine settings
+    harmony: Harmony | None = None  # gpt-oss's harmony format renders chat prompts and reads the answers
     grammars: Grammars = field(init=False)  # checks structured outputs against the served tokenizer
 
     def __post_init__(self) -> None:

@@ -30,7 +30,8 @@ async def tokenize(request: Request) -> JSONResponse:
     if isinstance(body, TokenizeChatRequest):
         body.check()
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None  # as chat renders them
-        [ids] = await asyncio.to_thread(chat_prompts, body, state.tokenizer, tools)  # a long prompt: off the loop
+        # a long prompt: off the loop
+        [ids] = await asyncio.to_thread(chat_prompts, body, state.tokenizer, tools, state.harmony)
     else:
         ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
     strs = [state.tokenizer.token_text(t) for t in ids] if body.return_token_strs else None

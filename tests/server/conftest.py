@@ -17,7 +17,9 @@ import httpx
 import openai
 import pytest
 
+from moe_serve.server.harmony import Harmony, load_encoding
 from moe_serve.server.tokenizer import Tokenizer
+from tests.server.harmony_tokenizer import build_gpt_oss_tokenizer, use_bundled_vocabulary
 from tests.server.tiny_tokenizer import build_tiny_tokenizer
 from tests.tiny_checkpoints import build_tiny_checkpoint
 
@@ -127,6 +129,21 @@ def default_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     running = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"))
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def harmony() -> Harmony:
+    """gpt-oss's harmony format over the vocabulary litellm bundles (no network needed)."""
+    use_bundled_vocabulary()
+    return Harmony(load_encoding())
+
+
+@pytest.fixture(scope="session")
+def gpt_oss_tokenizer_dir(harmony: Harmony, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """gpt-oss's o200k_harmony tokenizer files, built once a session (about 4 s)."""
+    path = tmp_path_factory.mktemp("gpt-oss-tokenizer")
+    build_gpt_oss_tokenizer(path, harmony.encoding)
+    return path
 
 
 @pytest.fixture(scope="module")

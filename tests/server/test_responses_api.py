@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 
+from moe_serve.server.responses_api import OutputItems
 from tests.server.conftest import RunningServer
 
 
@@ -74,7 +75,8 @@ def test_text_format_is_the_chat_paths_response_format(client: openai.OpenAI, se
     ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
     ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools.0.type"),
     ({"tools": [{"type": "function", "name": "bad name!"}], "tool_choice": "required"}, "tools.0.function.name"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
+    ({"reasoning": {"effort": "low"}}, "reasoning.effort"),  # the harmony format's (tests/server/test_harmony*)
+    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
 ])
@@ -114,3 +116,18 @@ def test_function_tools_give_function_call_items_and_take_their_outputs(client: 
         {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
     assert answer.usage.input_tokens == again.usage.input_tokens
+
+
+def test_reasoning_is_an_item_of_its_own_before_the_message() -> None:
+    items = OutputItems()
+    events = [*items.add_reasoning("Think"), *items.add_reasoning("ing."), *items.add_text("Hi"), *items.close("completed")]
+    assert [kind for kind, _ in events] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
+        "response.reasoning_text.delta", "response.output_item.added", "response.content_part.added",
+        "response.output_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.output_item.done", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done"]
+    reasoning, message = items.items
+    assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
+    assert message["content"][0]["text"] == "Hi" and events[7][1]["output_index"] == 0
+    assert items.as_chat_message() == {"role": "assistant", "content": "Hi", "reasoning_content": "Thinking."}

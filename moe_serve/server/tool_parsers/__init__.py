@@ -19,3 +19,5 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "qwen3_coder": Qwen3CoderParser,
     "minimax_m2": MiniMaxM2Parser,
 }
+# vLLM's name for gpt-oss's calls, which the harmony format reads from the answer's tokens (server/harmony.py)
+HARMONY_TOOL_CALL_PARSER = "openai"

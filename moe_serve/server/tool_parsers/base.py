@@ -33,7 +33,12 @@ class ToolParser(ABC):
         stops being calls, the last call comes back broken. final: the text is complete."""
 
     def new_call_id(self) -> str:
-        return f"call_{secrets.token_hex(12)}"
+        return openai_call_id()
+
+
+def openai_call_id() -> str:
+    """A call id as OpenAI writes them."""
+    return f"call_{secrets.token_hex(12)}"
 
 
 class MarkerParser(ToolParser):
