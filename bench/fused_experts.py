@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from moe_serve.engine.experts.activation import ExpertActivation  # noqa: E402
 from moe_serve.engine.experts.compute import gathered_experts_torch  # noqa: E402
 from moe_serve.engine.experts.fused_experts import FusedConfig, default_config, fused_experts  # noqa: E402
 from moe_serve.engine.experts.layout import ExpertLayout  # noqa: E402
@@ -37,6 +38,12 @@ class Shape:
     experts: int
     top_k: int
     layers: int  # calls per captured graph, one slot buffer each
+    gpt_oss: bool = False  # experts with biases and the clamped SwiGLU
+
+    def layout(self, dtype: torch.dtype, fmt=None) -> ExpertLayout:
+        """The shape's expert layout, its weights in `fmt` (None: dtype)."""
+        options = {"activation": ExpertActivation("clamped_swiglu"), "biases": True} if self.gpt_oss else {}
+        return ExpertLayout(self.hidden, self.intermediate, dtype, fmt, **options)
 
 
 SHAPES = [
@@ -45,6 +52,8 @@ SHAPES = [
     # the end-to-end benches' Mixtral-size model (bench/checkpoints.py expanded_default: the default
     # model's H 256, its experts widened to 352 MB): few outputs, a very wide I
     Shape("default-352mb", hidden=256, intermediate=229376, experts=8, top_k=2, layers=4),
+    # gpt-oss-20b's experts (gpt-oss-120b's are the same, 128 of them): biases, the clamped SwiGLU
+    Shape("gpt-oss-20b", hidden=2880, intermediate=2880, experts=32, top_k=4, layers=8, gpt_oss=True),
 ]
 GATE_UP_SWEEP = [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (16, 512, 4),
                  (16, 512, 8), (32, 128, 4), (32, 256, 4), (32, 512, 8)]  # rows, cols, warps
@@ -57,7 +66,7 @@ class Problem:
 
     def __init__(self, shape: Shape, tokens: int, seed: int = 0, device: str = "cuda") -> None:
         gen = torch.Generator(device=device).manual_seed(seed)
-        self.layout = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+        self.layout = shape.layout(torch.bfloat16)
         self.slots = [torch.empty(shape.experts, self.layout.numel, dtype=torch.bfloat16, device=device)
                       .normal_(0, shape.hidden**-0.5, generator=gen) for _ in range(shape.layers)]
         pairs = tokens * shape.top_k

@@ -27,7 +27,6 @@ from bench.fused_experts import SHAPES, Shape, copy_gbps, graph_ms_per_call  # n
 from moe_serve.engine.experts.compute import gathered_experts_torch  # noqa: E402
 from moe_serve.engine.experts.fused_experts import fused_experts  # noqa: E402
 from moe_serve.engine.experts.grouped_experts import GroupedConfig, block_layout, default_config, grouped_experts  # noqa: E402
-from moe_serve.engine.experts.layout import ExpertLayout  # noqa: E402
 
 SWEEP = {  # field overrides of GroupedConfig, one kernel's at a time
     "block_m": [{"block_m": 32}, {"block_m": 64}],
@@ -45,7 +44,7 @@ class Problem:
 
     def __init__(self, shape: Shape, tokens: int, seed: int = 0, device: str = "cuda") -> None:
         gen = torch.Generator(device=device).manual_seed(seed)
-        self.layout = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+        self.layout = shape.layout(torch.bfloat16)
         self.slots = [torch.empty(shape.experts, self.layout.numel, dtype=torch.bfloat16, device=device)
                       .normal_(0, shape.hidden**-0.5, generator=gen) for _ in range(shape.layers)]
         self.ids = [torch.rand(tokens, shape.experts, generator=gen, device=device).argsort(-1)[:, : shape.top_k]

@@ -76,16 +76,19 @@ class Problem:
 
 def encoded_slots(shape: Shape, quant: str, plain: list[torch.Tensor]) -> tuple[ExpertLayout, list[torch.Tensor]]:
     """The bf16 experts of `plain` (one slot buffer per layer) re-encoded in format `quant`, one expert at a time."""
-    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+    bf16 = shape.layout(torch.bfloat16)
     if quant == "none":
         return bf16, plain
-    layout = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16, expert_format(quant, torch.bfloat16))
+    layout = shape.layout(torch.bfloat16, expert_format(quant, torch.bfloat16))
     buffers = []
     for rows in plain:
         slots = torch.zeros(shape.experts, layout.numel, dtype=layout.row_dtype, device=rows.device)
         for expert in range(shape.experts):
             layout.write(slots[expert], "gate_up", bf16.gate_up(rows[expert]))
             layout.write(slots[expert], "down", bf16.down(rows[expert]))
+            if layout.biases:
+                layout.write(slots[expert], "gate_up_bias", bf16.bias(rows[expert], "gate_up"))
+                layout.write(slots[expert], "down_bias", bf16.bias(rows[expert], "down"))
         buffers.append(slots)
     return layout, buffers
 
@@ -95,18 +98,31 @@ def fp32_reference(problem: Problem, quant: str) -> torch.Tensor:
     to fp32), one expert decoded at a time: a Mixtral-size gather of T*k decoded rows would not fit."""
     layout = problem.layout
     fp32 = replace(layout, dtype=torch.float32, format=None if quant == "none" else layout.format)
-    slots = problem.slots[0].float() if quant == "none" else problem.slots[0]
+    slots = problem.slots[0].float() if quant == "none" else _with_fp32_biases(layout, fp32, problem.slots[0])
     out = torch.zeros(problem.x.shape, dtype=torch.float32, device=problem.x.device)  # [T, H]
     rows = {e: slots[e] for e in problem.ids[0].unique().tolist()}
     accumulate_experts(out, problem.x.float(), problem.ids[0], problem.weights, rows, fp32)
     return out
 
 
+def _with_fp32_biases(layout: ExpertLayout, fp32: ExpertLayout, slots: torch.Tensor) -> torch.Tensor:
+    """Quantized slots as rows of `fp32` (their layout computing in fp32): the same weight bytes, and
+    the biases, which a layout holds in its compute dtype, rewritten in fp32 (none: the same slots)."""
+    if not layout.biases:
+        return slots
+    rows = torch.zeros(slots.shape[0], fp32.numel, dtype=fp32.row_dtype, device=slots.device)
+    weights = layout.sections["gate_up.bias"].offset  # the weights and scales before the biases
+    rows.view(torch.uint8)[:, :weights] = slots.view(torch.uint8)[:, :weights]
+    for matrix in ("gate_up", "down"):
+        fp32.write(rows, matrix + "_bias", layout.bias(slots, matrix).float())
+    return rows
+
+
 def random_problem_inputs(shape: Shape, tokens_list: list[int]) -> tuple[list[torch.Tensor], dict[int, tuple]]:
     """Seeded bf16 experts N(0, 1/H), one slot buffer per layer, and per T its routing: per layer
     T tokens' k distinct experts [T, k], the input x [T, H] and the routing weights [T, k]."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+    bf16 = shape.layout(torch.bfloat16)
     plain = [torch.empty(shape.experts, bf16.numel, dtype=torch.bfloat16, device="cuda")
              .normal_(0, shape.hidden**-0.5, generator=gen) for _ in range(shape.layers)]
     routings = {}
@@ -120,7 +136,7 @@ def random_problem_inputs(shape: Shape, tokens_list: list[int]) -> tuple[list[to
 
 
 def rows_for_shape(shape: Shape, tokens_list: list[int], hbm_gbps: float, formats: list[str]) -> list[dict]:
-    bf16 = ExpertLayout(shape.hidden, shape.intermediate, torch.bfloat16)
+    bf16 = shape.layout(torch.bfloat16)
     plain, routings = random_problem_inputs(shape, tokens_list)
     rows, base_ms, base_out = [], {}, {}
     for quant in formats:
