@@ -1,7 +1,8 @@
 """Tiny GGUF files for tests/engine/gguf/: a tiny model of a family written as llama.cpp's converter
-writes it (its metadata keys, tensor names, experts stacked [E, N, K], llama's q/k rows reordered,
-llama3 rope as rope_freqs), in chosen GGML types, next to the Hugging Face checkpoint of the same
-weights as the gguf package dequantizes them. Written here from the published format.
+writes it (its metadata keys, tensor names, experts stacked [E, N, K], gpt-oss's gate and up split
+apart, llama's q/k rows reordered, llama3 rope as rope_freqs), in chosen GGML types, next to the
+Hugging Face checkpoint of the same weights as the gguf package dequantizes them. Written here from
+the published format.
 
     gguf_file, reference = gguf_pair("qwen3_moe", tmp_path, expert_type="Q4_K", hidden_size=256, ...)
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from tests.tiny_checkpoints import tiny_hf_model
 ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2_moe": "qwen2moe",
                  "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
                  "glm4_moe": "glm4moe", "ernie4_5_moe": "ernie4_5-moe", "minimax_m2": "minimax-m2",
-                 "dots1": "dots1"}
+                 "dots1": "dots1", "gpt_oss": "gpt-oss"}
 _LAYER = r"model\.layers\.(\d+)\."
 _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (r"model\.embed_tokens\.weight", "token_embd.weight"),
@@ -46,6 +48,9 @@ _NAMES = [  # Hugging Face (transformers 5, in memory) -> GGUF
     (_LAYER + r"self_attn\.(q_a|kv_a)_layernorm\.weight", r"blk.\1.attn_\2_norm.weight"),
     (_LAYER + r"mlp\.shared_experts\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2_shexp.weight"),
     (_LAYER + r"mlp\.(gate\.|gate\.moe_statics\.)?e_score_correction_bias", r"blk.\1.exp_probs_b.bias"),
+    # gpt-oss: attention sinks (the converter names them .weight), a router with a bias
+    (_LAYER + r"self_attn\.sinks", r"blk.\1.attn_sinks.weight"),
+    (_LAYER + r"mlp\.router\.(weight|bias)", r"blk.\1.ffn_gate_inp.\2"),
 ]
 
 
@@ -53,7 +58,7 @@ def gguf_name(name: str, arch: str) -> str:
     for pattern, replacement in _NAMES:
         if re.fullmatch(pattern, name):
             renamed = re.sub(pattern, replacement, name)
-            if arch == "glm4moe":  # its post-attention norm keeps that name
+            if arch in ("glm4moe", "gpt-oss"):  # their post-attention norm keeps that name
                 renamed = renamed.replace(".ffn_norm.", ".post_attention_norm.")
             return renamed
     raise KeyError(name)
@@ -114,7 +119,9 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         layer = re.match(_LAYER, name)
-        if name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows first
+        if arch == "gpt-oss" and ".experts." in name:
+            reference[name] = _gpt_oss_experts(add, layer[1], name, w, expert_type)
+        elif name.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows first
             gate, up = w.chunk(2, dim=1)
             reference[name] = torch.cat([add(f"blk.{layer[1]}.ffn_{part}_exps.weight", half, expert_type)
                                          for part, half in (("gate", gate), ("up", up))], dim=1)
@@ -145,6 +152,24 @@ def gguf_pair(family: str, dst: Path, *, expert_type: str = "F32", weight_type: 
     writer.write_tensors_to_file()
     writer.close()
     return dst / "model.gguf", _save_reference(model, reference, dst / "reference")
+
+
+def _gpt_oss_experts(add: Callable[[str, torch.Tensor, str], torch.Tensor], layer: str, name: str, w: torch.Tensor,
+                     expert_type: str) -> torch.Tensor:
+    """gpt-oss's experts as llama.cpp's converter writes them: transformers' gate_up [E, H, 2I] and down
+    [E, I, H] (inputs by outputs) as rows, gate and up (rows, or bias entries, alternating in
+    transformers') split into tensors of their own, biases in F32. Returns what the file holds, in
+    transformers' shape and order."""
+    kind = "bias" if name.endswith("_bias") else "weight"
+    rows = w if kind == "bias" else w.transpose(-1, -2)  # [E, 2I or H, ...]
+    type_name = "F32" if kind == "bias" else expert_type
+    if "gate_up_proj" in name:
+        halves = [add(f"blk.{layer}.ffn_{part}_exps.{kind}", rows[:, first::2].contiguous(), type_name)
+                  for first, part in enumerate(("gate", "up"))]
+        held = torch.stack(halves, dim=2).flatten(1, 2)  # alternating again
+    else:
+        held = add(f"blk.{layer}.ffn_down_exps.{kind}", rows.contiguous(), type_name)
+    return held if kind == "bias" else held.transpose(-1, -2)
 
 
 def _add_nextn_layers(writer: GGUFWriter, in_file: dict[str, tuple[np.ndarray, GGMLQuantizationType]],
@@ -186,6 +211,9 @@ def _metadata(writer: GGUFWriter, config: Any, arch: str) -> None:
     if arch == "minimax-m2":
         writer.add_expert_feed_forward_length(config.intermediate_size)
         writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    if arch == "gpt-oss":
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)

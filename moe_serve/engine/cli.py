@@ -157,8 +157,8 @@ def _load_tokenizer(model_dir: str, trust_remote_code: bool):
 
     if not is_gguf(model_dir) and not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
         return None
-    folder, gguf = tokenizer_source(model_dir)
     try:
+        folder, gguf = tokenizer_source(model_dir)  # a GGUF's tokenizer is built here: a ValueError naming why
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
     except (OSError, ValueError) as exc:
         sys.exit(f"moe-generate: cannot load the tokenizer in {model_dir}: {exc}")

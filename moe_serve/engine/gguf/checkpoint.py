@@ -2,10 +2,10 @@
 parameters, and each tensor read from the memory-mapped file when the loader asks for it.
 
 Routed experts (ffn_{gate,up,down}_exps, [E, N, K] with K along each row) stay in their GGML block
-type when an expert format keeps it (experts/formats/q8_0.py, legacy_quants.py, k_quants.py, iq4.py): the rows of the file
-are the rows of our expert layout, copied as they are. Each MoE layer keeps its own gate/up and
-down types (llama.cpp's Q4_K_M gives some layers' ffn_down_exps Q6_K: ModelConfig's
-published_layer_formats, one expert layout per layer). Only what one layout cannot hold is
+type when an expert format keeps it (experts/formats/q8_0.py, legacy_quants.py, k_quants.py, iq4.py,
+ggml_mxfp4.py): the rows of the file are the rows of our expert layout, copied as they are. Each
+MoE layer keeps its own gate/up and down types (llama.cpp's Q4_K_M gives some layers' ffn_down_exps
+Q6_K: ModelConfig's published_layer_formats, one expert layout per layer). Only what one layout cannot hold is
 dequantized and re-encoded, in the type holding most expert weights, and said so in the log: a
 layer whose gate and up differ, float experts beside block ones. Where most expert weights are
 F32/F16/BF16 they all load as float, to be stored as --expert-quant says. Any other expert type is
@@ -20,6 +20,11 @@ llama.cpp's converter since it split kv_b_proj hold each head's W_uk transposed 
 [heads, kv_lora_rank, nope] and W_uv as attn_v_b [heads, v, kv_lora_rank]; the two are read
 together back into kv_b's rows (per head: nope rows of W_uk, then v rows of W_uv). Older files hold
 attn_kv_b as it is.
+
+gpt-oss's converter splits the released experts' alternating gate and up rows (and bias entries)
+into ffn_gate_exps and ffn_up_exps (their MXFP4 blocks re-laid, codes and scales kept) and their
+biases into ffn_{gate,up,down}_exps.bias; its sinks are attn_sinks, its router's bias ffn_gate_inp.bias.
+Its q and k rows are as released (llama.cpp rotates its heads' halves, as transformers does).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ import torch
 from gguf import quants
 from tqdm import tqdm
 
+from moe_serve.engine.experts.formats.ggml_mxfp4 import GgmlMxfp4
 from moe_serve.engine.experts.formats.iq4 import IQ4_NL, IQ4_XS
 from moe_serve.engine.experts.formats.k_quants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from moe_serve.engine.experts.formats.legacy_quants import Q4_0, Q4_1, Q5_0, Q5_1
@@ -54,7 +60,7 @@ log = logging.getLogger(__name__)
 
 # GGML type -> the expert format that keeps its blocks as they are
 EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-                                                         IQ4_NL, IQ4_XS)}
+                                                         IQ4_NL, IQ4_XS, GgmlMxfp4)}
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (config.py), no parameter of their own
 _V_B = ".attn_v_b.weight"  # read with its layer's attn_k_b (_kv_b), no target of its own
@@ -69,6 +75,7 @@ def _shared_rules() -> list[TensorRule]:
         TensorRule("blk.{L}.attn_norm.weight", "layers.{L}.attn_norm.weight"),
         TensorRule("blk.{L}.ffn_norm.weight", "layers.{L}.mlp_norm.weight"),
         TensorRule("blk.{L}.ffn_gate_inp.weight", "layers.{L}.mlp.router.weight"),
+        TensorRule("blk.{L}.ffn_gate_inp.bias", "layers.{L}.mlp.router.bias"),
         TensorRule("blk.{L}.ffn_gate_inp_shexp.weight", "layers.{L}.mlp.shared_gate.weight"),
         TensorRule("blk.{L}.exp_probs_b.bias", "layers.{L}.mlp.router_bias"),
     ]
@@ -79,6 +86,7 @@ def _shared_rules() -> list[TensorRule]:
                       for p in ("gate", "up")]
             rules.append(TensorRule(f"blk.{{L}}.ffn_down{suffix}.{kind}", f"layers.{{L}}.{ours}down.{kind}"))
     rules += [TensorRule(f"blk.{{L}}.ffn_{p}_exps.weight", EXPERT_PREFIX + p) for p in ("gate", "up", "down")]
+    rules += [TensorRule(f"blk.{{L}}.ffn_{p}_exps.bias", f"{EXPERT_PREFIX}{p}_bias") for p in ("gate", "up", "down")]
     return rules
 
 
@@ -87,6 +95,7 @@ def _rules() -> tuple[TensorRule, ...]:
         TensorRule("blk.{L}.attn_q_norm.weight", "layers.{L}.attn.q_norm.weight"),
         TensorRule("blk.{L}.attn_k_norm.weight", "layers.{L}.attn.k_norm.weight"),
         TensorRule("blk.{L}.post_attention_norm.weight", "layers.{L}.mlp_norm.weight"),  # glm4moe's ffn_norm
+        TensorRule("blk.{L}.attn_sinks.weight", "layers.{L}.attn.sinks"),
     ]
     for kind in ("weight", "bias"):
         rules += [TensorRule(f"blk.{{L}}.attn_{p}.{kind}", f"layers.{{L}}.attn.qkv.{kind}", p) for p in "qkv"]

@@ -19,6 +19,12 @@ glm4moe (GLM-4.5, GLM-4.5-Air) counts its multi-token-prediction layers (nextn_p
 last ones) in block_count: they are not run, so the model has block_count - nextn_predict_layers
 layers and the checkpoint skips their tensors. It rotates the first rope.dimension_count dims of a
 head in halves, as transformers does, so its partial rotation reads as it is.
+
+gpt-oss's expert width is expert_feed_forward_length, its window attention.sliding_window, on every
+other layer from the first (llama.cpp hard-codes that pattern for gpt-oss, as transformers' layer_types
+default); its gating a softmax over the top-k logits, its SwiGLU's clamp llama.cpp's and transformers'
+defaults (no keys). Its yarn is not truncated, as its config.json says: OpenAI's reference keeps the
+correction range's bounds fractional, where ggml's yarn rounds them, which a GGUF cannot say.
 """
 from __future__ import annotations
 
@@ -34,12 +40,13 @@ from moe_serve.engine.models.rope import RopeConfig, rope_frequencies
 _DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _MOE = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
         "olmoe": "OlmoeForCausalLM", "deepseek2": "DeepseekV2ForCausalLM", "glm4moe": "Glm4MoeForCausalLM",
-        "ernie4_5-moe": "Ernie4_5_MoeForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM", "dots1": "Dots1ForCausalLM"}
+        "ernie4_5-moe": "Ernie4_5_MoeForCausalLM", "minimax-m2": "MiniMaxM2ForCausalLM", "dots1": "Dots1ForCausalLM",
+        "gpt-oss": "GptOssForCausalLM"}
 ARCHITECTURES = tuple(sorted(set(_DENSE) | set(_MOE)))
 # whether llama.cpp renormalises the top-k routing weights of an architecture, when the file has no
 # expert_weights_norm key (it does for Mixtral and Qwen3-MoE, as their HF configs do)
 _NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False, "deepseek2": False, "glm4moe": True,
-              "ernie4_5-moe": True, "minimax-m2": True, "dots1": False}
+              "ernie4_5-moe": True, "minimax-m2": True, "dots1": False, "gpt-oss": True}
 # architectures whose partial rotation turns a head's first dims in halves, as transformers does
 _PARTIAL_ROTATION = ("glm4moe", "minimax-m2")
 _SIGMOID_GATING = 2  # llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid
@@ -105,7 +112,16 @@ def hf_config(file: GgufFile) -> dict[str, Any]:
         hf.update(_deepseek_moe_fields(meta))
     if arch == "ernie4_5-moe":
         hf.update(_ernie4_5_moe_fields(meta, hf["mlp_only_layers"]))
+    if arch == "gpt-oss":
+        hf.update(_gpt_oss_fields(meta, hf["rope_parameters"]))
     return hf
+
+
+def _gpt_oss_fields(meta: Metadata, rope: dict[str, Any]) -> dict[str, Any]:
+    layers = run_layers(meta)
+    return dict(sliding_window=meta.arch("attention.sliding_window"),
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+                rope_parameters={**rope, "truncate": False} if rope["rope_type"] == "yarn" else rope)
 
 
 def _ernie4_5_moe_fields(meta: Metadata, dense: list[int]) -> dict[str, Any]:
@@ -185,7 +201,7 @@ def _moe_fields(meta: Metadata, tensors: dict[str, GgufTensor], experts: int) ->
         clip_qkv=meta.arch("attention.clamp_kqv", None),
     )
     # their HF configs call the expert width intermediate_size
-    if meta.architecture in ("llama", "olmoe", "minimax-m2"):
+    if meta.architecture in ("llama", "olmoe", "minimax-m2", "gpt-oss"):
         fields["intermediate_size"] = width
     if meta.architecture == "qwen2moe":
         fields["shared_expert_intermediate_size"] = meta.arch("expert_shared_feed_forward_length")

@@ -22,9 +22,10 @@ while the generic class loads tokenizer.json as written. So encoding, decoding, 
 chat template are what loading the GGUF gives; as in any saved tokenizer, add_bos_token and
 add_eos_token live in tokenizer.json's post-processor, not as flags.
 
-Where no entry can be written (a read-only cache dir) or transformers cannot build the tokenizer,
-the GGUF file stays the source, as without a cache: each load converts it, and an error surfaces in
-the caller's own load.
+Where no entry can be written (a read-only cache dir) the GGUF file stays the source, as without a
+cache: each load converts it. Where transformers cannot build the tokenizer, whatever it raises
+(a file with no vocabulary: KeyError; any gpt-oss file, whose rope.scaling keys transformers 5
+misreads: TypeError) is a ValueError naming it, the error the CLIs answer with --tokenizer DIR's hint.
 """
 from __future__ import annotations
 
@@ -50,15 +51,21 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe_serve"
 
 
+class TokenizerNotBuilt(ValueError):
+    """transformers cannot build the tokenizer of a GGUF file."""
+
+
 def cached_tokenizer_source(gguf: Path) -> TokenizerSource:
     """The tokenizer folder of a GGUF file, converted and cached on the first call; the file itself
-    where it cannot be cached."""
+    where it cannot be cached. TokenizerNotBuilt where transformers cannot build it."""
     try:
         entry = _entry(gguf)
         if not entry.is_dir():
             log.info("building the tokenizer of %s once, into %s", gguf, entry)
             _save(_converted(gguf), entry)
-    except Exception as exc:  # no such file, a read-only cache dir, a tokenizer transformers cannot build, ...
+    except TokenizerNotBuilt:
+        raise
+    except Exception as exc:  # no such file, a read-only cache dir, ...
         log.warning("the tokenizer of %s is not cached (%s): it is built from the file on each load", gguf, exc)
         return _in_file(gguf)
     return str(entry), {}
@@ -80,7 +87,11 @@ def _converted(gguf: Path):
     from transformers import AutoTokenizer
 
     folder, kwargs = _in_file(gguf)
-    return AutoTokenizer.from_pretrained(folder, **kwargs)
+    try:
+        return AutoTokenizer.from_pretrained(folder, **kwargs)
+    except Exception as exc:  # building it again from the file, in the caller, would fail the same way
+        raise TokenizerNotBuilt(f"transformers cannot build the tokenizer of this GGUF file ({type(exc).__name__}: "
+                                f"{str(exc).rstrip('.')})") from exc
 
 
 def _save(tokenizer, entry: Path) -> None:

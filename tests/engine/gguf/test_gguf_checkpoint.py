@@ -13,6 +13,7 @@ import torch
 from gguf import GGUFReader
 
 from moe_serve.engine.config import ConfigError
+from moe_serve.engine.gguf.checkpoint import EXPERT_BLOCK_FORMATS
 from moe_serve.engine.loader import read_config
 from moe_serve.engine.preflight import check_model_dir
 from tests.gguf_checkpoints import ARCHITECTURES, gguf_name, gguf_pair, llama_cpp_row_order
@@ -45,6 +46,10 @@ CASES = [
     ("ernie4_5_moe", "Q8_0", "Q8_0", dict(moe_intermediate_size=32)),  # pair-rotating q/k rows, moe_statics
     ("minimax_m2", "Q8_0", "Q8_0", {}),  # whole-projection q/k norm, a partial rotation, sigmoid gating
     ("dots1", "Q8_0", "Q8_0", dict(moe_intermediate_size=32, n_group=1, topk_group=1, layer_types=None)),
+    # sinks, biases (attention, router, experts), gate and up split from alternating rows, the clamped
+    # SwiGLU, windows on even layers, yarn untruncated; as released (MXFP4) and as converted from bf16
+    ("gpt_oss", "MXFP4", "Q8_0", {}),
+    ("gpt_oss", "BF16", "F32", {}),
     ("llama", None, "Q8_0", LLAMA3),  # biases everywhere, tied embeddings, llama3 rope as rope_freqs
     ("qwen2", None, "Q8_0", dict(use_sliding_window=False)),  # linear rope (GGUF keeps no sliding window)
     ("qwen3", None, "F16", {}),  # yarn rope, head_dim != hidden / heads
@@ -74,12 +79,14 @@ def test_logits_equal_the_dequantized_reference(root: Path, family, expert_type,
         assert loaded.store is None
         torch.testing.assert_close(logits(loaded), logits(reference), rtol=1e-5, atol=1e-5)
     else:
-        assert loaded.store.layout.format.name == expert_type.lower()
+        assert loaded.store.layout.format.name == EXPERT_BLOCK_FORMATS.get(expert_type, "none")
         assert_same_model(loaded, reference)
 
 
-def test_expert_rows_hold_the_files_bytes(root: Path) -> None:
-    gguf_file, _ = _pair(root, "qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256)
+@pytest.mark.parametrize("family,expert_type,sizes", [("qwen3_moe", "Q4_K", BLOCKS_OF_256),
+                                                       ("gpt_oss", "MXFP4", {})])  # gate and up split apart
+def test_expert_rows_hold_the_files_bytes(root: Path, family: str, expert_type: str, sizes: dict) -> None:
+    gguf_file, _ = _pair(root, family, expert_type, "Q8_0", sizes)
     _assert_rows_hold_the_files_bytes(load(gguf_file), gguf_file)
 
 
@@ -194,9 +201,25 @@ def test_the_test_files_tensor_names_are_llama_cpps(family: str) -> None:
     for name in model.state_dict():
         if "experts." in name and "shared" not in name or name.endswith("kv_b_proj.weight"):
             continue  # stacked or split by the writer itself
-        # the converter's own renaming before it maps (DeepSeek-V3, GLM-4.5)
+        # the converter's own renaming before it maps (DeepSeek-V3, GLM-4.5; ERNIE's moe_statics, inside the
+        # gate only in transformers' memory; gpt-oss's sinks)
         hf = name.replace("e_score_correction_bias", "e_score_correction.bias").replace(
-            "mlp.gate.moe_statics", "mlp.moe_statics")  # ERNIE's, inside the gate only in transformers' memory
+            "mlp.gate.moe_statics", "mlp.moe_statics").replace("self_attn.sinks", "self_attn.sinks.weight")
         assert gguf_name(name, arch) == names.get_name(hf, try_suffixes=(".weight", ".bias")), name
         checked += 1
     assert checked > 10
+
+
+def test_the_gpt_oss_files_tensors_are_those_llama_cpp_loads(root: Path) -> None:
+    """Every tensor of the gpt-oss file, its split experts and their biases included, is one of the gguf
+    package's gpt-oss tensors (llama.cpp's list for the architecture), and each of those is there."""
+    gguf_file, _ = _pair(root, "gpt_oss", "MXFP4", "Q8_0", {})
+    written = {t.name for t in GGUFReader(gguf_file).tensors}
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == "gpt-oss")
+    layers = tiny_hf_model("gpt_oss").config.num_hidden_layers
+    known = {gguf.TENSOR_NAMES[t].format(bid=layer) for t in gguf.MODEL_TENSORS[arch] for layer in range(layers)}
+    assert {name.rsplit(".", 1)[0] for name in written} == known
+    assert {name for name in written if name.endswith(".bias")} == {
+        f"blk.{layer}.{t}.bias" for layer in range(layers)
+        for t in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                  "ffn_down_exps")}

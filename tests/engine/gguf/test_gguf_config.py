@@ -20,7 +20,8 @@ LLAMA3 = dict(max_position_embeddings=2048, rope_parameters=dict(
 FAMILIES = {"mixtral": {}, "qwen2_moe": {}, "qwen3_moe": {}, "olmoe": {}, "llama": LLAMA3,
             "qwen2": dict(use_sliding_window=False), "qwen3": {}, "deepseek_v2": {}, "deepseek_v3": {},
             "deepseek_v3-unsplit": dict(split_kv_b=False), "glm4_moe": dict(n_group=1, topk_group=1),
-            "ernie4_5_moe": {}, "minimax_m2": {}, "dots1": dict(n_group=1, topk_group=1, layer_types=None)}
+            "ernie4_5_moe": {}, "minimax_m2": {}, "dots1": dict(n_group=1, topk_group=1, layer_types=None),
+            "gpt_oss": {}}
 
 
 @pytest.mark.parametrize("family", FAMILIES)

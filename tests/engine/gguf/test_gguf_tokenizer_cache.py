@@ -1,6 +1,7 @@
 """A GGUF file's tokenizer is built by transformers once and read from the cache after (tokenizer_cache.py):
 the cached tokenizer is the one transformers builds from the file, a start with it cached reads no
-vocabulary out of the file, and an entry belongs to one version of one file."""
+vocabulary out of the file, an entry belongs to one version of one file, and a tokenizer transformers
+cannot build is a ValueError naming why."""
 from __future__ import annotations
 
 import json
@@ -19,6 +20,7 @@ from moe_serve.engine.preflight import check_model_dir
 from moe_serve.engine.structured import Grammars
 from moe_serve.server.tokenizer import Tokenizer
 from tests.engine.gguf.gguf_tokenizers import KINDS, gguf_with_tokenizer
+from tests.gguf_checkpoints import gguf_pair
 
 TEXTS = ["hello world", " hello  world\n\n", "héllo wörld 😀", "e\u0301 <|im_start|>x<|im_end|> <s>y</s>", ""]
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
@@ -114,3 +116,13 @@ def test_the_cache_dir_is_the_environments_or_the_users(tmp_path: Path, monkeypa
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "moe_serve"
+
+
+def test_a_tokenizer_transformers_cannot_build_is_a_value_error_naming_why(tmp_path: Path,
+                                                                          tokenizer_cache_dir: Path) -> None:
+    """Whatever transformers raises (here: a gpt-oss file, with no vocabulary besides) comes as the
+    ValueError the CLIs answer with --tokenizer DIR's hint, after one attempt, and nothing is cached."""
+    gguf_file, _ = gguf_pair("gpt_oss", tmp_path, expert_type="MXFP4")
+    with pytest.raises(ValueError, match=r"transformers cannot build the tokenizer of this GGUF file \(\w+: "):
+        Tokenizer(str(gguf_file))
+    assert not any((tokenizer_cache_dir / "gguf-tokenizers").glob("*"))

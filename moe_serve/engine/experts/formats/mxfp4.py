@@ -6,7 +6,8 @@ the low nibble of byte j.
 
 The data of a matrix [N, K] is [N, K / 2] bytes and its scales [N, K / BLOCK] bytes: gpt-oss's
 `_blocks` [N, K / 32, 16] and `_scales` [N, K / 32] tensors are exactly these, so a published
-checkpoint loads bit for bit. K must be whole blocks. 0.53 bytes per weight.
+checkpoint loads bit for bit. K must be whole blocks. 0.53 bytes per weight. GGUF files hold the same
+codes and scales in GGML's blocks (ggml_mxfp4.py).
 
 Encoding picks the least power of two that fits the block's absmax into ±6 (nothing is clipped;
 OCP's reference rule, floor(log2 absmax) - 2, would saturate values in (6, 8) x scale) and rounds
@@ -65,6 +66,17 @@ def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes & 8 > 0, -quadruple, quadruple) * 0.25
 
 
+def e2m1_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (whole blocks) -> the E2M1 codes [..., K] and E8M0 scale bytes [..., K / 32] (uint8)
+    this module's encoding gives (GGUF's MXFP4 lays out the same codes and scales its own way)."""
+    blocks = w.float().unflatten(-1, (-1, BLOCK))  # [..., K / 32, 32]
+    mantissa, exponent = torch.frexp(blocks.abs().amax(dim=-1))  # absmax = mantissa * 2^exponent, [0.5, 1) * 2^n
+    # the least e with absmax <= 6 * 2^e, as 6 = 0.75 * 2^3 (an all-zero block: frexp gives 0, 0, any e does)
+    e = exponent - 3 + (mantissa > 0.75).to(exponent.dtype)
+    scales = (e + E8M0_BIAS).clamp_(1, 2 * E8M0_BIAS).to(torch.uint8)  # [..., K / 32]; 0 and 255 never
+    return _e2m1_codes(blocks / _e8m0_values(scales)[..., None]).flatten(-2), scales
+
+
 @dataclass(frozen=True)
 class Mxfp4(ExpertFormat):
     name: ClassVar[str] = "mxfp4"
@@ -79,12 +91,7 @@ class Mxfp4(ExpertFormat):
         return k // BLOCK
 
     def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        blocks = w.float().unflatten(-1, (-1, BLOCK))  # [..., N, K / 32, 32]
-        mantissa, exponent = torch.frexp(blocks.abs().amax(dim=-1))  # absmax = mantissa * 2^exponent, [0.5, 1) * 2^n
-        # the least e with absmax <= 6 * 2^e, as 6 = 0.75 * 2^3 (an all-zero block: frexp gives 0, 0, any e does)
-        e = exponent - 3 + (mantissa > 0.75).to(exponent.dtype)
-        scales = (e + E8M0_BIAS).clamp_(1, 2 * E8M0_BIAS).to(torch.uint8)  # [..., N, K / 32]; 0 and 255 never
-        codes = _e2m1_codes(blocks / _e8m0_values(scales)[..., None]).flatten(-2)  # [..., N, K]
+        codes, scales = e2m1_blocks(w)
         return pack_nibbles(codes), scales
 
     def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
