@@ -2,8 +2,11 @@
 parameters, and each tensor read from the memory-mapped file when the loader asks for it.
 
 Routed experts (ffn_{gate,up,down}_exps, [E, N, K] with K along each row) stay in their GGML block
-type when an expert format keeps it (experts/formats/q8_0.py, legacy_quants.py, k_quants.py, iq4.py,
-ggml_mxfp4.py): the rows of the file are the rows of our expert layout, copied as they are. Each
+type when an expert format keeps it (experts/formats/q8_0.py, legacy_quants.py, k_quants.py, iq4.py):
+the rows of the file are the rows of our expert layout, copied as they are. MXFP4's are re-laid into
+experts/formats/mxfp4.py's layout, the same codes and scale bytes (_mxfp4_rows): the kernels read GGML's
+17-byte blocks a byte at a time, 2-4x slower than bf16 on an H200, and mxfp4.py's words at one token
+1.35-1.6x faster than bf16 (bench/results/quant/quant_experts-h200-mxfp4-dot.json). Each
 MoE layer keeps its own gate/up and down types (llama.cpp's Q4_K_M gives some layers' ffn_down_exps
 Q6_K: ModelConfig's published_layer_formats, one expert layout per layer). Only what one layout cannot hold is
 dequantized and re-encoded, in the type holding most expert weights, and said so in the log: a
@@ -38,10 +41,11 @@ import torch
 from gguf import quants
 from tqdm import tqdm
 
-from moe_serve.engine.experts.formats.ggml_mxfp4 import GgmlMxfp4
+from moe_serve.engine.experts.formats.base import pack_nibbles
 from moe_serve.engine.experts.formats.iq4 import IQ4_NL, IQ4_XS
 from moe_serve.engine.experts.formats.k_quants import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 from moe_serve.engine.experts.formats.legacy_quants import Q4_0, Q4_1, Q5_0, Q5_1
+from moe_serve.engine.experts.formats.mxfp4 import Mxfp4
 from moe_serve.engine.experts.formats.q8_0 import Q8_0
 from moe_serve.engine.gguf.config import Metadata, hf_config, run_layers
 from moe_serve.engine.gguf.reader import GgufFile, GgufTensor
@@ -58,9 +62,11 @@ from moe_serve.engine.models.rope import pairs_to_halves_rows
 
 log = logging.getLogger(__name__)
 
-# GGML type -> the expert format that keeps its blocks as they are
-EXPERT_BLOCK_FORMATS = {fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-                                                         IQ4_NL, IQ4_XS, GgmlMxfp4)}
+# GGML type -> the expert format that keeps its blocks as they are (MXFP4's: their codes and scales)
+EXPERT_BLOCK_FORMATS = {**{fmt.ggml_type: fmt.name for fmt in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K,
+                                                             Q6_K, IQ4_NL, IQ4_XS)},
+                        "MXFP4": Mxfp4.name}
+_MXFP4_BLOCK_BYTES = 17  # GGML's: an E8M0 exponent byte, then 16 bytes of E2M1 codes
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _CONFIG_TENSORS = ("rope_freqs.weight",)  # read into the config (config.py), no parameter of their own
 _V_B = ".attn_v_b.weight"  # read with its layer's attn_k_b (_kv_b), no target of its own
@@ -157,7 +163,8 @@ class GgufCheckpoint:
         for target in targets:
             tensor = self._tensors[target.hf_name]
             if target.is_expert and self._kept.get(_expert_key(target.hf_name)) == tensor.tensor_type.name:
-                yield target, EncodedWeight(torch.from_numpy(np.array(tensor.data)), None)  # [E, N, bytes]
+                rows = torch.from_numpy(np.array(tensor.data))  # [E, N, bytes]
+                yield target, _mxfp4_rows(rows) if tensor.tensor_type.name == "MXFP4" else EncodedWeight(rows, None)
             else:
                 yield target, self._dequantized(target, tensor)
             bar.update()
@@ -190,6 +197,18 @@ class GgufCheckpoint:
         heads = self.config.num_heads
         w_uk = w_uk_t.reshape(heads, self.config.mla.kv_lora_rank, -1).transpose(1, 2)  # [heads, nope, C]
         return torch.cat([w_uk, w_uv.reshape(heads, -1, self.config.mla.kv_lora_rank)], dim=1).flatten(0, 1)
+
+
+def _mxfp4_rows(blocks: torch.Tensor) -> EncodedWeight:
+    """GGML's MXFP4 rows [..., N, K / 32 * 17] (per block an E8M0 byte e, then 16 bytes, byte j holding
+    code j in its low nibble and code j + 16 in its high one; w = kvalue[code] * 2^(e - 128), kvalue
+    being twice E2M1's value) as mxfp4.py's data [..., N, K / 2] (weight 2j in byte j's low nibble) and
+    scales [..., N, K / 32]: w = E2M1 * 2^(e - 127), the same weights; only e = 0 (weights below 2^-125)
+    reads as 0 there."""
+    per_block = blocks.unflatten(-1, (-1, _MXFP4_BLOCK_BYTES))  # [..., N, K / 32, 17]
+    codes = per_block[..., 1:]
+    in_order = torch.cat([codes & 15, codes >> 4], dim=-1).flatten(-2)  # [..., N, K]
+    return EncodedWeight(pack_nibbles(in_order), per_block[..., 0].contiguous())
 
 
 def _expert_types(experts: list[GgufTensor]) -> Counter[str]:

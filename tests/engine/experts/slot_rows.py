@@ -75,10 +75,9 @@ def interpreted_formats() -> list[str]:
 # Whole-kernel runs that would add nothing but minutes: GGUF's first four types share one load
 # (legacy_quants._load_legacy, switched by constants), for which q5_1, with both the min and the
 # fifth bit, stands; and the kernels call every load of a 32-weight block alike (q8_0 and q5_1 run
-# them), so iq4_nl's differs from theirs only inside its load, and mxfp4-ggml runs iq4_nl's (its
-# levels and scale byte apart: nibble_levels.py). Every load is checked tile by tile in
+# them), so iq4_nl's differs from theirs only inside its load. Every load is checked tile by tile in
 # formats/test_triton_loads.py
-_SHARED_LOADS = ("q4_0", "q4_1", "q5_0", "iq4_nl", "mxfp4-ggml")
+_SHARED_LOADS = ("q4_0", "q4_1", "q5_0", "iq4_nl")
 
 
 def fitted_cases(cases: list[tuple[int, ...]], quant: str) -> list[tuple[int, ...]]:

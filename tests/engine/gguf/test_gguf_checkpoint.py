@@ -10,10 +10,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from moe_serve.engine.config import ConfigError
-from moe_serve.engine.gguf.checkpoint import EXPERT_BLOCK_FORMATS
+from moe_serve.engine.experts.formats import expert_format
+from moe_serve.engine.gguf.checkpoint import EXPERT_BLOCK_FORMATS, _mxfp4_rows
 from moe_serve.engine.loader import read_config
 from moe_serve.engine.preflight import check_model_dir
 from tests.gguf_checkpoints import ARCHITECTURES, gguf_name, gguf_pair, llama_cpp_row_order
@@ -83,11 +84,24 @@ def test_logits_equal_the_dequantized_reference(root: Path, family, expert_type,
         assert_same_model(loaded, reference)
 
 
-@pytest.mark.parametrize("family,expert_type,sizes", [("qwen3_moe", "Q4_K", BLOCKS_OF_256),
-                                                       ("gpt_oss", "MXFP4", {})])  # gate and up split apart
-def test_expert_rows_hold_the_files_bytes(root: Path, family: str, expert_type: str, sizes: dict) -> None:
-    gguf_file, _ = _pair(root, family, expert_type, "Q8_0", sizes)
+def test_expert_rows_hold_the_files_bytes(root: Path) -> None:
+    gguf_file, _ = _pair(root, "qwen3_moe", "Q4_K", "Q8_0", BLOCKS_OF_256)
     _assert_rows_hold_the_files_bytes(load(gguf_file), gguf_file)
+
+
+def test_mxfp4_blocks_are_re_laid_into_the_weights_llama_cpp_reads() -> None:
+    """GGML's MXFP4 blocks as mxfp4.py's codes and scale bytes (gpt-oss's files): every code under every
+    scale byte but 0 (2^-128, read as 0) and 255 (2^127, inf) decodes to what the gguf package's
+    dequantization gives, bit for bit."""
+    codes = torch.arange(32, dtype=torch.uint8) % 16
+    qs = codes[:16] | codes[16:] << 4  # byte j: code j low, code j + 16 high
+    blocks = torch.cat((torch.arange(1, 255, dtype=torch.uint8)[:, None], qs.expand(254, -1)), dim=-1)  # [254, 17]
+    rows = blocks.reshape(2, -1)  # two rows of 127 blocks
+    with np.errstate(over="ignore"):  # 12 x 2^126 (byte 254's largest code) overflows to inf, in both
+        expected = quants.dequantize(rows.numpy(), GGMLQuantizationType.MXFP4)  # [2, 127 * 32]
+    data, scales = _mxfp4_rows(rows)
+    got = expert_format("mxfp4", torch.float32).decode(data, scales, expected.shape[-1], torch.float32)
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), expected.view(np.uint32))
 
 
 def _assert_rows_hold_the_files_bytes(loaded, gguf_file: Path, expert: int = 4) -> None:

@@ -22,8 +22,7 @@ _REGISTRY = {"none": "plain:Plain", "int8": "int8:Int8", "int4": "int4:Int4", "f
              "q8_0": "q8_0:Q8_0", "q4_0": "legacy_quants:Q4_0", "q4_1": "legacy_quants:Q4_1",
              "q5_0": "legacy_quants:Q5_0", "q5_1": "legacy_quants:Q5_1",
              "q2_k": "k_quants:Q2_K", "q3_k": "k_quants:Q3_K", "q4_k": "k_quants:Q4_K", "q5_k": "k_quants:Q5_K",
-             "q6_k": "k_quants:Q6_K", "iq4_nl": "iq4:IQ4_NL", "iq4_xs": "iq4:IQ4_XS",
-             "mxfp4-ggml": "ggml_mxfp4:GgmlMxfp4"}  # name -> module:class
+             "q6_k": "k_quants:Q6_K", "iq4_nl": "iq4:IQ4_NL", "iq4_xs": "iq4:IQ4_XS"}  # name -> module:class
 FORMAT_NAMES = tuple(_REGISTRY)
 # --expert-quant's values: a format, or a mix of formats by layer (mixes.py)
 EXPERT_QUANT_NAMES = (*FORMAT_NAMES, *MIXES)

@@ -5,8 +5,8 @@ of a GGUF tensor are our rows byte for byte (the GGUF loader copies them as they
 
 A format here names its GGML type (`ggml_type`, as the gguf package spells it), codes one block at
 a time in torch, and has K of whole blocks (col_multiple); the kernels' loads live in each
-format's file (those of the types whose codes pick one of sixteen levels in nibble_levels.py), over
-`block_tile`'s addressing. The bytes are little-endian, as GGUF files and every GPU we run on are.
+format's file, over `block_tile`'s addressing. The bytes are little-endian, as GGUF files and
+every GPU we run on are.
 """
 from __future__ import annotations
 

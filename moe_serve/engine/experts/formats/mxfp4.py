@@ -7,7 +7,8 @@ the low nibble of byte j.
 The data of a matrix [N, K] is [N, K / 2] bytes and its scales [N, K / BLOCK] bytes: gpt-oss's
 `_blocks` [N, K / 32, 16] and `_scales` [N, K / 32] tensors are exactly these, so a published
 checkpoint loads bit for bit. K must be whole blocks. 0.53 bytes per weight. GGUF files hold the same
-codes and scales in GGML's blocks (ggml_mxfp4.py).
+codes and scales in GGML's 17-byte blocks, which the GGUF reader re-lays into this layout
+(gguf/checkpoint.py).
 
 Encoding picks the least power of two that fits the block's absmax into ±6 (nothing is clipped;
 OCP's reference rule, floor(log2 absmax) - 2, would saturate values in (6, 8) x scale) and rounds
@@ -34,6 +35,8 @@ from moe_serve.engine.experts.formats.base import (
 try:
     import triton
     import triton.language as tl
+
+    from moe_serve.engine.experts.formats.base import in_order_dot
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -66,17 +69,6 @@ def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     return torch.where(codes & 8 > 0, -quadruple, quadruple) * 0.25
 
 
-def e2m1_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., K] (whole blocks) -> the E2M1 codes [..., K] and E8M0 scale bytes [..., K / 32] (uint8)
-    this module's encoding gives (GGUF's MXFP4 lays out the same codes and scales its own way)."""
-    blocks = w.float().unflatten(-1, (-1, BLOCK))  # [..., K / 32, 32]
-    mantissa, exponent = torch.frexp(blocks.abs().amax(dim=-1))  # absmax = mantissa * 2^exponent, [0.5, 1) * 2^n
-    # the least e with absmax <= 6 * 2^e, as 6 = 0.75 * 2^3 (an all-zero block: frexp gives 0, 0, any e does)
-    e = exponent - 3 + (mantissa > 0.75).to(exponent.dtype)
-    scales = (e + E8M0_BIAS).clamp_(1, 2 * E8M0_BIAS).to(torch.uint8)  # [..., K / 32]; 0 and 255 never
-    return _e2m1_codes(blocks / _e8m0_values(scales)[..., None]).flatten(-2), scales
-
-
 @dataclass(frozen=True)
 class Mxfp4(ExpertFormat):
     name: ClassVar[str] = "mxfp4"
@@ -91,7 +83,12 @@ class Mxfp4(ExpertFormat):
         return k // BLOCK
 
     def encode(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        codes, scales = e2m1_blocks(w)
+        blocks = w.float().unflatten(-1, (-1, BLOCK))  # [..., N, K / 32, 32]
+        mantissa, exponent = torch.frexp(blocks.abs().amax(dim=-1))  # absmax = mantissa * 2^exponent, [0.5, 1) * 2^n
+        # the least e with absmax <= 6 * 2^e, as 6 = 0.75 * 2^3 (an all-zero block: frexp gives 0, 0, any e does)
+        e = exponent - 3 + (mantissa > 0.75).to(exponent.dtype)
+        scales = (e + E8M0_BIAS).clamp_(1, 2 * E8M0_BIAS).to(torch.uint8)  # [..., N, K / 32]; 0 and 255 never
+        codes = _e2m1_codes(blocks / _e8m0_values(scales)[..., None]).flatten(-2)  # [..., N, K]
         return pack_nibbles(codes), scales
 
     def decode(self, data: torch.Tensor, scales: torch.Tensor | None, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -103,6 +100,10 @@ class Mxfp4(ExpertFormat):
     def triton_load(self) -> Any:
         return _load
 
+    @property
+    def triton_dot(self) -> Any:
+        return _dot
+
     def describe(self) -> str:
         return f"mxfp4 (e2m1, e8m0 scale per {BLOCK} weights)"
 
@@ -112,6 +113,65 @@ if triton is not None:
     @triton.jit
     def _e8m0_to_fp32(s):
         return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+    # an E2M1 code placed in fp32's bits is its value * 2^-126 (_e2m1_at); times the vector's element
+    # scaled by VECTOR_SCALE the product is a normal float for any |v| in [2^-99, 2^28), and a block's sum
+    # goes back by SUM_SCALE before its own scale
+    VECTOR_SCALE = tl.constexpr(2.0**100)
+    SUM_SCALE = tl.constexpr(2.0**26)
+    _SIGN = tl.constexpr(-(2**31))  # bit 31 of an int32
+
+    @triton.jit
+    def _e2m1_at(words, J: tl.constexpr):
+        """Nibble J of each int32 word as fp32 value * 2^-126, exactly: its exponent bits in fp32's two
+        lowest exponent bits and its mantissa bit in fp32's top one (a normal float for exponents 1-3,
+        the subnormal 2^-127 for code 1, as E2M1's own subnormal 0.5), its sign bit in fp32's. Three
+        or four integer instructions, no conversion."""
+        if J < 6:  # bits 4J .. 4J + 2 to 22 .. 24
+            magnitude = (words << (22 - 4 * J)) & (7 << 22)
+        else:
+            magnitude = (words >> (4 * J - 22)) & (7 << 22)
+        return (magnitude | ((words << (28 - 4 * J)) & _SIGN)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dot(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, v_ptr):
+        """The rows' dot products with v over one tile (base.ExpertFormat.triton_dot): over 32-bit words
+        of 8 codes where the tile holds whole blocks, each code's value made in place (_e2m1_at) and
+        multiplied into the word's sum by one FMA, a block's sum scaled once; a narrower tile (small
+        test configs) through the load. At gpt-oss-20b's shape the generic load made a one-token
+        layer call 0.88x bf16's (quant_experts-h200-gpt-oss-20b.json)."""
+        B: tl.constexpr = 32  # BLOCK, as in _load
+        if BLOCK_K % B != 0:
+            return in_order_dot(_load(w_ptr, s_ptr, rows, row_ok, k0, K, BLOCK_K, False, "evict_first"), v_ptr, k0, K,
+                                BLOCK_K)
+        R: tl.constexpr = rows.shape[0]
+        word = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [W]; weight 8w + j in nibble j (pack_nibbles' order)
+        word_ok = word < K // 8
+        words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + word[None, :],
+                        mask=row_ok[:, None] & word_ok[None, :], other=0,
+                        eviction_policy="evict_first")  # [R, W]; rows of K / 2 bytes start 4-aligned (K % 32 == 0)
+        v8 = tl.load(v_ptr + 8 * word[:, None] + tl.arange(0, 8)[None, :], mask=word_ok[:, None],
+                     other=0.0).to(tl.float32) * VECTOR_SCALE  # [W, 8], split in registers as int4's dot does
+        even, odd = tl.split(tl.reshape(v8, (BLOCK_K // 8, 4, 2)))  # elements 0 2 4 6 | 1 3 5 7
+        v04, v26 = tl.split(tl.reshape(even, (BLOCK_K // 8, 2, 2)))
+        v15, v37 = tl.split(tl.reshape(odd, (BLOCK_K // 8, 2, 2)))
+        v0, v4 = tl.split(v04)
+        v1, v5 = tl.split(v15)
+        v2, v6 = tl.split(v26)
+        v3, v7 = tl.split(v37)
+        products = _e2m1_at(words, 0) * v0[None, :]  # [R, W]
+        products = tl.fma(_e2m1_at(words, 1), v1[None, :], products)
+        products = tl.fma(_e2m1_at(words, 2), v2[None, :], products)
+        products = tl.fma(_e2m1_at(words, 3), v3[None, :], products)
+        products = tl.fma(_e2m1_at(words, 4), v4[None, :], products)
+        products = tl.fma(_e2m1_at(words, 5), v5[None, :], products)
+        products = tl.fma(_e2m1_at(words, 6), v6[None, :], products)
+        products = tl.fma(_e2m1_at(words, 7), v7[None, :], products)
+        per_block = tl.sum(tl.reshape(products, (R, BLOCK_K // B, B // 8)), axis=2) * SUM_SCALE  # [R, BLOCK_K / 32]
+        block = k0 // B + tl.arange(0, BLOCK_K // B)
+        s = tl.load(s_ptr + rows[:, None] * (K // B) + block[None, :], mask=row_ok[:, None] & (block < K // B)[None, :],
+                    other=0)  # [R, BLOCK_K / 32]
+        return tl.sum(per_block * _e8m0_to_fp32(s), axis=1)
 
     @triton.jit
     def _load(w_ptr, s_ptr, rows, row_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, TRANSPOSE: tl.constexpr,

@@ -1,7 +1,6 @@
-"""The GGML block formats (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs,
-mxfp4-ggml): decoding is llama.cpp's dequantization bit for bit (held to the gguf package's on
-arbitrary blocks), encoding round-trips within each type's precision, and rows are exactly the GGUF
-bytes per weight."""
+"""The GGML block formats (q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs): decoding is llama.cpp's dequantization bit for
+bit (held to the gguf package's on arbitrary blocks), encoding round-trips within each type's
+precision, and rows are exactly the GGUF bytes per weight."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,16 +9,14 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from moe_serve.engine.experts.formats import expert_format
-from moe_serve.engine.experts.formats.ggml_block import GgmlBlockFormat, nibbles
+from moe_serve.engine.experts.formats.ggml_block import GgmlBlockFormat
 from moe_serve.engine.experts.layout import ExpertLayout
-from tests.triton_interpreter import needs_triton, run_interpreted
 
-GGML_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
-                "mxfp4-ggml")
-# byte offsets of d (and dmin, m); mxfp4-ggml's scale is one byte, any of whose values is a scale
+GGML_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs")
+# byte offsets of d (and dmin, m)
 FP16_FIELDS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q2_k": (80, 82),
                "q3_k": (108,), "q4_k": (0, 2), "iq4_nl": (0,), "iq4_xs": (0,),
-               "q5_k": (0, 2), "q6_k": (208,), "mxfp4-ggml": ()}
+               "q5_k": (0, 2), "q6_k": (208,)}
 # the formats whose encoder is llama.cpp's own (the k-quants' is a plain round-to-nearest)
 LLAMA_CPP_ENCODERS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 
@@ -51,8 +48,7 @@ def test_sizes_are_the_ggml_types(name):
 def test_decode_is_llama_cpp_dequantization_bit_for_bit(name):
     fmt, k = _format(name), 512
     data = _random_blocks(name, 6, k)
-    with np.errstate(over="ignore"):  # mxfp4-ggml's largest scales overflow to inf, in llama.cpp too
-        expected = quants.dequantize(data, GGMLQuantizationType[fmt.ggml_type])  # [6, K]
+    expected = quants.dequantize(data, GGMLQuantizationType[fmt.ggml_type])  # [6, K]
     got = fmt.decode(torch.from_numpy(data).view(2, 3, -1), None, k, torch.float32)  # leading dims kept
     assert got.shape == (2, 3, k)
     np.testing.assert_array_equal(got.reshape(6, k).numpy(), expected)
@@ -60,8 +56,7 @@ def test_decode_is_llama_cpp_dequantization_bit_for_bit(name):
 
 @pytest.mark.parametrize("name,rel", [("q8_0", 0.01), ("q4_0", 0.12), ("q4_1", 0.09), ("q5_0", 0.06), ("q5_1", 0.045),
                                       ("q2_k", 0.36), ("q3_k", 0.18), ("q4_k", 0.09), ("q5_k", 0.045),
-                                      ("q6_k", 0.025), ("iq4_nl", 0.09), ("iq4_xs", 0.09),
-                                      ("mxfp4-ggml", 0.12)])
+                                      ("q6_k", 0.025), ("iq4_nl", 0.09), ("iq4_xs", 0.09)])
 def test_encode_round_trips_within_the_types_precision(name, rel):
     fmt = _format(name)
     w = torch.randn(64, 512, generator=torch.Generator().manual_seed(3)) / 512**0.5
@@ -87,8 +82,7 @@ def test_encodes_as_llama_cpp(name):
 
 @pytest.mark.parametrize("name,bits", [("q8_0", 8.5), ("q4_0", 4.5), ("q4_1", 5), ("q5_0", 5.5), ("q5_1", 6),
                                        ("q2_k", 2.625), ("q3_k", 3.4375), ("q4_k", 4.5), ("q5_k", 5.5),
-                                       ("q6_k", 6.5625), ("iq4_nl", 4.5), ("iq4_xs", 4.25),
-                                       ("mxfp4-ggml", 4.25)])
+                                       ("q6_k", 6.5625), ("iq4_nl", 4.5), ("iq4_xs", 4.25)])
 def test_bytes_per_expert(name, bits):
     h, i = 2048, 768  # Qwen3-30B-A3B
     layout = ExpertLayout(h, i, torch.bfloat16, expert_format(name, torch.bfloat16))
@@ -101,55 +95,3 @@ def test_rows_of_partial_blocks_are_refused_by_name(name):
     fmt = _format(name)
     with pytest.raises(ValueError, match=f"{name} experts need matrices of whole 1 x {fmt.block} blocks"):
         fmt.encode(torch.zeros(4, fmt.block + 16))
-
-
-def test_mxfp4_ggml_decodes_every_scale_byte_and_code_as_llama_cpp():
-    """ggml builds 2^(e - 128) from e's bits: subnormal for e < 2, 2^127 for 255 (12 x it overflows to inf)."""
-    codes = torch.arange(32) % 16
-    blocks = torch.cat((torch.arange(256, dtype=torch.uint8)[:, None],  # scale byte e of block e
-                        nibbles(codes[:16], codes[16:]).expand(256, -1)), dim=-1)  # [256, 17]
-    with np.errstate(over="ignore"):
-        expected = quants.dequantize(blocks.numpy(), GGMLQuantizationType.MXFP4)  # [256, 32]
-    got = _format("mxfp4-ggml").decode(blocks, None, 32, torch.float32).numpy()
-    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))  # bits: -0.0, subnormals, inf
-    assert expected[127, :16].tolist() == [0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6]
-
-
-def test_mxfp4_ggml_holds_the_weights_mxfp4_holds():
-    """The same codes and scale bytes as the safetensors layout (mxfp4), laid out GGUF's way: llama.cpp's
-    dequantization of the one gives what mxfp4 decodes from the other."""
-    w = torch.randn(8, 256, generator=torch.Generator().manual_seed(5))
-    w[1, :32] = 0.0
-    data, scales = expert_format("mxfp4", torch.float32).encode(w)
-    released = expert_format("mxfp4", torch.float32).decode(data, scales, 256, torch.float32)
-    ggml, _ = _format("mxfp4-ggml").encode(w)
-    np.testing.assert_array_equal(quants.dequantize(ggml.numpy(), GGMLQuantizationType.MXFP4), released.numpy())
-
-
-def check_mxfp4_ggml_loads_every_scale_byte_interpreted() -> None:
-    """Run with TRITON_INTERPRET=1: the kernels' scale (built from e's bits, as decode builds it) for
-    every byte e, under tiles of whole blocks and inside one."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def tiles(w_ptr, out_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr):
-        rows = tl.program_id(0) * 4 + tl.arange(0, 4)
-        for k0 in range(0, K, BLOCK_K):
-            cols = COLS(k0, BLOCK_K)
-            tl.store(out_ptr + rows[:, None] * K + cols[None, :], LOAD(w_ptr, w_ptr, rows, rows < 8, k0, K, BLOCK_K,
-                                                                         False, ""))
-
-    fmt, k = _format("mxfp4-ggml"), 32 * 32
-    blocks = torch.from_numpy(_random_blocks("mxfp4-ggml", 8, k)).view(8, 32, 17)
-    blocks[..., 0] = torch.arange(256, dtype=torch.uint8).view(8, 32)
-    for block_k in (16, 64):
-        out = torch.full((8, k), torch.nan)
-        tiles[(2,)](blocks, out, K=k, BLOCK_K=block_k, LOAD=fmt.triton_load, COLS=fmt.triton_cols)
-        expected = fmt.decode(blocks.view(8, -1), None, k, torch.float32)
-        assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), block_k
-
-
-@needs_triton
-def test_mxfp4_ggml_kernels_read_every_scale_byte_as_decode_does():
-    run_interpreted(__file__, "check_mxfp4_ggml_loads_every_scale_byte_interpreted()")
