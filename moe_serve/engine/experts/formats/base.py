@@ -167,6 +167,23 @@ if triton is not None:
         return code_fma(upper, MASK, SHIFT + 8, v3, acc)
 
     @triton.jit
+    def word_elements(v_ptr, word, word_ok):
+        """The vector's elements 8w + j of each 32-bit word w of 8 codes (word [W], word_ok its mask), fp32:
+        all of them [W, 8], then j = 0..7 apart ([W] each). Loaded as rows of 8 and split in registers:
+        8 loads at a stride of 8 elements touched 4x the L1 sectors."""
+        W: tl.constexpr = word.shape[0]
+        v8 = tl.load(v_ptr + 8 * word[:, None] + tl.arange(0, 8)[None, :], mask=word_ok[:, None],
+                     other=0.0).to(tl.float32)  # [W, 8]
+        even, odd = tl.split(tl.reshape(v8, (W, 4, 2)))  # elements 0 2 4 6 | 1 3 5 7
+        v04, v26 = tl.split(tl.reshape(even, (W, 2, 2)))
+        v15, v37 = tl.split(tl.reshape(odd, (W, 2, 2)))
+        v0, v4 = tl.split(v04)
+        v1, v5 = tl.split(v15)
+        v2, v6 = tl.split(v26)
+        v3, v7 = tl.split(v37)
+        return v8, v0, v1, v2, v3, v4, v5, v6, v7
+
+    @triton.jit
     def columns_in_order(k0, BLOCK_K: tl.constexpr):
         return k0 + tl.arange(0, BLOCK_K)
 

@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.base import SUM_SCALE, VECTOR_SCALE, code_fma
+    from moe_serve.engine.experts.formats.base import SUM_SCALE, VECTOR_SCALE, code_fma, word_elements
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -190,17 +190,7 @@ if triton is not None:
                         mask=row_ok[:, None] & word_ok[None, :], other=0,
                         eviction_policy="evict_first")  # [R, BLOCK_K / 8]; a masked word meets v = 0
         upper = words >> 16  # nibbles 4..7 where 0..3 were (sign bits land above the masks)
-        # v's 8 elements of each word, loaded as rows of 8 and split in registers: 8 loads at a stride
-        # of 8 elements touched 4x the L1 sectors
-        v8 = tl.load(v_ptr + 8 * word[:, None] + tl.arange(0, 8)[None, :], mask=word_ok[:, None],
-                     other=0.0).to(tl.float32)  # [BLOCK_K / 8, 8]
-        even, odd = tl.split(tl.reshape(v8, (BLOCK_K // 8, 4, 2)))  # elements 0 2 4 6 | 1 3 5 7
-        v04, v26 = tl.split(tl.reshape(even, (BLOCK_K // 8, 2, 2)))
-        v15, v37 = tl.split(tl.reshape(odd, (BLOCK_K // 8, 2, 2)))
-        v0, v4 = tl.split(v04)
-        v1, v5 = tl.split(v15)
-        v2, v6 = tl.split(v26)
-        v3, v7 = tl.split(v37)
+        v8, v0, v1, v2, v3, v4, v5, v6, v7 = word_elements(v_ptr, word, word_ok)  # [BLOCK_K / 8, 8], [BLOCK_K / 8] each
         products = (words & 15).to(tl.float32, bitcast=True) * (v0 * VECTOR_SCALE)[None, :]  # [R, BLOCK_K / 8]
         products = code_fma(words, 15, 4, v1, products)
         products = code_fma(words, 15, 8, v2, products)

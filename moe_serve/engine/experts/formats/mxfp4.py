@@ -36,7 +36,7 @@ try:
     import triton
     import triton.language as tl
 
-    from moe_serve.engine.experts.formats.base import in_order_dot
+    from moe_serve.engine.experts.formats.base import in_order_dot, word_elements
 except ImportError:  # no triton: only the torch path decodes
     triton = None
 
@@ -150,23 +150,15 @@ if triton is not None:
         words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + word[None, :],
                         mask=row_ok[:, None] & word_ok[None, :], other=0,
                         eviction_policy="evict_first")  # [R, W]; rows of K / 2 bytes start 4-aligned (K % 32 == 0)
-        v8 = tl.load(v_ptr + 8 * word[:, None] + tl.arange(0, 8)[None, :], mask=word_ok[:, None],
-                     other=0.0).to(tl.float32) * VECTOR_SCALE  # [W, 8], split in registers as int4's dot does
-        even, odd = tl.split(tl.reshape(v8, (BLOCK_K // 8, 4, 2)))  # elements 0 2 4 6 | 1 3 5 7
-        v04, v26 = tl.split(tl.reshape(even, (BLOCK_K // 8, 2, 2)))
-        v15, v37 = tl.split(tl.reshape(odd, (BLOCK_K // 8, 2, 2)))
-        v0, v4 = tl.split(v04)
-        v1, v5 = tl.split(v15)
-        v2, v6 = tl.split(v26)
-        v3, v7 = tl.split(v37)
-        products = _e2m1_at(words, 0) * v0[None, :]  # [R, W]
-        products = tl.fma(_e2m1_at(words, 1), v1[None, :], products)
-        products = tl.fma(_e2m1_at(words, 2), v2[None, :], products)
-        products = tl.fma(_e2m1_at(words, 3), v3[None, :], products)
-        products = tl.fma(_e2m1_at(words, 4), v4[None, :], products)
-        products = tl.fma(_e2m1_at(words, 5), v5[None, :], products)
-        products = tl.fma(_e2m1_at(words, 6), v6[None, :], products)
-        products = tl.fma(_e2m1_at(words, 7), v7[None, :], products)
+        _, v0, v1, v2, v3, v4, v5, v6, v7 = word_elements(v_ptr, word, word_ok)  # [W] each
+        products = _e2m1_at(words, 0) * (v0 * VECTOR_SCALE)[None, :]  # [R, W]
+        products = tl.fma(_e2m1_at(words, 1), (v1 * VECTOR_SCALE)[None, :], products)
+        products = tl.fma(_e2m1_at(words, 2), (v2 * VECTOR_SCALE)[None, :], products)
+        products = tl.fma(_e2m1_at(words, 3), (v3 * VECTOR_SCALE)[None, :], products)
+        products = tl.fma(_e2m1_at(words, 4), (v4 * VECTOR_SCALE)[None, :], products)
+        products = tl.fma(_e2m1_at(words, 5), (v5 * VECTOR_SCALE)[None, :], products)
+        products = tl.fma(_e2m1_at(words, 6), (v6 * VECTOR_SCALE)[None, :], products)
+        products = tl.fma(_e2m1_at(words, 7), (v7 * VECTOR_SCALE)[None, :], products)
         per_block = tl.sum(tl.reshape(products, (R, BLOCK_K // B, B // 8)), axis=2) * SUM_SCALE  # [R, BLOCK_K / 32]
         block = k0 // B + tl.arange(0, BLOCK_K // B)
         s = tl.load(s_ptr + rows[:, None] * (K // B) + block[None, :], mask=row_ok[:, None] & (block < K // B)[None, :],
