@@ -33,7 +33,7 @@ def _fields(hf: dict[str, Any]) -> dict[str, Any]:
         qkv_bias=bias,
         o_bias=bias,
         attention_sinks=True,
-        attention_windows=windows_by_layer_type(hf, hf.get("sliding_window")),
+        attention_windows=windows_by_layer_type({**hf, "layer_types": _layer_types(hf)}, hf.get("sliding_window")),
         num_experts=num_experts(hf),
         top_k=hf["num_experts_per_tok"],
         moe_intermediate_size=hf["intermediate_size"],
@@ -45,6 +45,13 @@ def _fields(hf: dict[str, Any]) -> dict[str, Any]:
         expert_biases=True,
         moe_layers=all_layers(hf),
     )
+
+
+def _layer_types(hf: dict[str, Any]) -> list[str]:
+    """config.json's layer_types, or where a config has none transformers' default for gpt-oss: the
+    window on even layers."""
+    return hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                     for i in range(hf["num_hidden_layers"])]
 
 
 _EXPERTS = layer_name("mlp.experts.")

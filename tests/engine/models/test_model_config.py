@@ -138,3 +138,12 @@ def test_dots1_windows_follow_its_layer_types_over_deepseek_v3_moe() -> None:
     assert config.attention_windows == (None, 5, None) and config.qk_norm == "per_head"
     assert config.router == Router("sigmoid", 2, 1, "top2", True, 1.4) and config.moe_layers == (1, 2)
     assert config.shared_expert_intermediate_size == 16 and not config.shared_expert_gated
+
+
+def test_gpt_oss_sinks_biases_and_windows_on_every_other_layer() -> None:
+    config = _config("gpt_oss")
+    assert config.attention_sinks and config.router_logit_bias and config.expert_biases
+    assert config.expert_activation.kind == "clamped_swiglu" and config.expert_activation.limit == 7.0
+    assert config.attention_windows == (5, None, 5) and config.norm_topk_prob
+    assert _config("gpt_oss", layer_types=None).attention_windows == (5, None, 5)  # transformers' default
+    assert config.rope.rope_type == "yarn" and not config.rope.truncate
