@@ -49,6 +49,8 @@ class ChoiceDecoder:
         and calls (instead of the text's going through reasoning and tool_calls)."""
         self.index = index
         self.completion_tokens = 0
+        self._token_offsets: list[int] = []  # with a reasoning parser: where each token's text starts in the text
+        self._text_length = 0  # characters of text detokenized so far
         self.finish_reason: str | None = None  # the engine's (or "stop" for a stop string), never "tool_calls"
         skip_special_tokens = text.skip_special_tokens and not (tool_calls and tool_calls.keeps_special_tokens)
         self._detok = IncrementalDetokenizer(partial(tokenizer.decode, skip_special_tokens=skip_special_tokens),
@@ -71,6 +73,16 @@ class ChoiceDecoder:
         if delta.finish_reason == "stop" and self._called():  # one cut by max_tokens keeps "length"
             delta.finish_reason = "tool_calls"
         return delta
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Tokens of the answer that went to its reasoning: harmony's analysis text, token by token;
+        with a reasoning parser, the tokens whose text starts inside the <think> section."""
+        if self._harmony is not None:
+            return self._harmony.reasoning_tokens
+        if self._reasoning is None:
+            return 0
+        return sum(self._reasoning.in_reasoning(offset) for offset in self._token_offsets)
 
     def _called(self) -> bool:
         return any(reader is not None and reader.called for reader in (self._tool_calls, self._harmony))
@@ -96,7 +108,13 @@ class ChoiceDecoder:
         """The text a token adds (None: what is left at the end). With harmony that is the content
         alone, and the token's reasoning and call pieces go into delta as they are, past the stop strings."""
         if self._harmony is None:
-            return self._detok.flush() if token is None else self._detok.add(token)
+            if token is None:
+                return self._detok.flush()
+            if self._reasoning is not None:
+                self._token_offsets.append(self._text_length)
+            text = self._detok.add(token)
+            self._text_length += len(text)
+            return text
         if token is None:
             return ""
         part = self._harmony.add(token)

@@ -24,6 +24,7 @@ UNSUPPORTED_FIELDS = frozenset({
     "echo", "suffix", "best_of", "audio", "modalities", "prediction",
     "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier",
+    "include",  # the Responses API's extras (reasoning.encrypted_content, logprobs, ...): none are issued
 })
 # pydantic's names for union members, which appear in error locations but are not fields
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})

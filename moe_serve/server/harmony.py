@@ -31,6 +31,7 @@ from openai_harmony import (
     ReasoningEffort,
     Role,
     StreamableParser,
+    StreamState,
     SystemContent,
     ToolDescription,
     load_harmony_encoding,
@@ -164,7 +165,9 @@ def _messages(conversation: list[ChatMessage], i: int) -> list[Message]:
     if message.reasoning_content:
         rendered.append(Message.from_role_and_content(Role.ASSISTANT, message.reasoning_content)
                         .with_channel("analysis"))
-    if text or not message.tool_calls:  # beside calls, text is a preamble on the commentary channel
+    # beside calls, text is a preamble on the commentary channel; a turn that only reasoned (null
+    # content: cut while thinking) has no final message, which would have harmony drop its reasoning
+    if text or not (message.tool_calls or message.content is None):
         rendered.append(Message.from_role_and_content(Role.ASSISTANT, text)
                         .with_channel("commentary" if message.tool_calls else "final"))
     for call in message.tool_calls or ():
@@ -251,6 +254,7 @@ class HarmonyStream:
         self._calls, self._max_calls = calls, max_calls
         self._call_count = 0
         self._kind = "content"  # of the message being written: content, reasoning, call or dropped
+        self.reasoning_tokens = 0  # tokens of analysis messages' text (their headers and <|end|> not)
 
     @property
     def called(self) -> bool:
@@ -266,6 +270,8 @@ class HarmonyStream:
         text = self._parser.last_content_delta
         if token == self._message_token and text is None:  # a header is complete: its message's kind is known
             return self._open(self._parser.current_channel, self._parser.current_recipient)
+        if self._kind == "reasoning" and self._parser.state == StreamState.CONTENT:
+            self.reasoning_tokens += 1  # one holding part of a character too
         return self._part(text or "")
 
     def _open(self, channel: str | None, recipient: str | None) -> HarmonyPart:

@@ -41,8 +41,10 @@ def chat_prompts(body: ChatCompletionRequest | TokenizeChatRequest, tokenizer: T
 
 def _template_message(message: ChatMessage) -> dict:
     """A message as chat templates take it: tool-call arguments as objects, as vLLM passes them
-    (Qwen's and Llama's templates write them with tojson); arguments that are not JSON stay text."""
-    rendered: dict = {"role": message.role, "content": message.text()}
+    (Qwen's and Llama's templates write them with tojson); arguments that are not JSON stay text. A turn
+    that only reasoned (null content, no calls) has empty text: templates join content as a string."""
+    content = message.text()
+    rendered: dict = {"role": message.role, "content": "" if content is None and not message.tool_calls else content}
     if message.name is not None:
         rendered["name"] = message.name
     if message.tool_call_id is not None:

@@ -75,8 +75,9 @@ class ChatMessage(_Strict):
 
     def check(self, at: str) -> None:
         """Rules across this message's fields; at: its path in the body ("messages.3")."""
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise bad_request("content may be null only on an assistant message with tool_calls", f"{at}.content")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.reasoning_content)):
+            raise bad_request("content may be null only on an assistant message with tool_calls or "
+                              "reasoning_content", f"{at}.content")
         if self.tool_calls is not None and self.role != "assistant":
             raise bad_request("only assistant messages carry tool_calls", f"{at}.tool_calls")
         if self.reasoning_content is not None and self.role != "assistant":
@@ -416,7 +417,41 @@ class ResponsesFunctionCallOutput(_Strict):
     status: str | None = None
 
 
-_INPUT_KINDS = {"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput"}
+class ResponsesReasoningText(_Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
+class ResponsesSummaryText(_Strict):
+    type: Literal["summary_text"]
+    text: str
+
+
+class ResponsesReasoningItem(_Strict):
+    """An earlier answer's reasoning sent back as input (clients that keep their own history): its
+    reasoning_text content, else its summary, becomes the reasoning_content of the assistant turn it opens."""
+
+    type: Literal["reasoning"]
+    summary: list[ResponsesSummaryText] | None = None
+    content: list[ResponsesReasoningText] | None = None
+    encrypted_content: str | None = None  # never issued here: unreadable, so ignored beside readable text
+    id: str | None = None
+    status: str | None = None
+
+    def reasoning(self, at: str) -> str:
+        """The reasoning's text; at: this item's path in the body ("input.2")."""
+        if self.content:
+            return "".join(part.text for part in self.content)
+        if self.summary:
+            return "\n\n".join(part.text for part in self.summary)
+        if self.encrypted_content is not None:
+            raise bad_request("a reasoning item with only encrypted_content cannot be read by this server (it "
+                              "issues none); send its content or summary", f"{at}.encrypted_content")
+        raise bad_request("a reasoning item needs its reasoning_text content or its summary", f"{at}.content")
+
+
+_INPUT_KINDS = {"message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput",
+                "reasoning": "Reasoning"}
 
 
 def _input_kind(item: object) -> str | None:
@@ -427,7 +462,8 @@ def _input_kind(item: object) -> str | None:
 
 ResponsesInputItem = Annotated[
     Annotated[ResponsesInputMessage, Tag("Message")] | Annotated[ResponsesFunctionCall, Tag("FunctionCall")]
-    | Annotated[ResponsesFunctionCallOutput, Tag("FunctionCallOutput")], Discriminator(_input_kind)]
+    | Annotated[ResponsesFunctionCallOutput, Tag("FunctionCallOutput")]
+    | Annotated[ResponsesReasoningItem, Tag("Reasoning")], Discriminator(_input_kind)]
 
 
 class ResponsesTextFormat(_Strict):
@@ -486,11 +522,11 @@ class ResponsesRequest(_Strict):
     @field_validator("input", mode="before")
     @classmethod
     def _known_items(cls, value: object) -> object:
-        """Other item kinds (reasoning, item_reference, ...) named, before the union's vaguer error."""
+        """Other item kinds (item_reference, ...) named, before the union's vaguer error."""
         for i, item in enumerate(value if isinstance(value, list) else ()):
             if _input_kind(item) is None:
                 raise bad_request(f"input items of type '{item.get('type')}' are not supported; send messages, "
-                                  "function_call and function_call_output items", f"input.{i}.type",
+                                  "reasoning, function_call and function_call_output items", f"input.{i}.type",
                                   "unsupported_parameter")
         return value
 
@@ -514,19 +550,29 @@ class ResponsesRequest(_Strict):
                 "parallel_tool_calls": self.parallel_tool_calls}
 
     def messages(self) -> list[dict[str, Any]]:
-        """The input as chat messages: consecutive function calls are one assistant turn, each output a tool turn."""
+        """The input as chat messages: consecutive function calls are one assistant turn, each output a
+        tool turn; a reasoning item opens an assistant turn (its reasoning_content), which the assistant
+        message and the function calls right after it join, as an answer gives them (reasoning, text, calls)."""
         if isinstance(self.input, str):
             return [{"role": "user", "content": self.input}]
         messages: list[dict[str, Any]] = []
-        for item in self.input:
-            if isinstance(item, ResponsesInputMessage):
-                messages.append({"role": item.role, "content": item.text()})
+        for i, item in enumerate(self.input):
+            turn = messages[-1] if messages and messages[-1]["role"] == "assistant" else {}
+            if isinstance(item, ResponsesReasoningItem):
+                messages.append({"role": "assistant", "content": None,
+                                 "reasoning_content": item.reasoning(f"input.{i}")})
+            elif isinstance(item, ResponsesInputMessage):
+                if item.role == "assistant" and "reasoning_content" in turn and turn["content"] is None \
+                        and "tool_calls" not in turn:
+                    turn["content"] = item.text()
+                else:
+                    messages.append({"role": item.role, "content": item.text()})
             elif isinstance(item, ResponsesFunctionCallOutput):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
-                if not (messages and messages[-1].get("tool_calls")):
-                    messages.append({"role": "assistant", "content": None, "tool_calls": []})
-                messages[-1]["tool_calls"].append(call)
+                if not ("tool_calls" in turn or "reasoning_content" in turn):
+                    messages.append(turn := {"role": "assistant", "content": None})
+                turn.setdefault("tool_calls", []).append(call)
         return messages

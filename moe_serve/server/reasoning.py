@@ -34,9 +34,14 @@ class ReasoningStream:
         self._starts_in_reasoning = parser == "deepseek_r1"
         self._phase = Phase.OPENING
         self._pending = ""  # text not yet given to either part
+        self._fed = 0  # characters of text fed so far
+        # where the reasoning starts and ends in the text fed (None: no reasoning; not closed, so far)
+        self._start: int | None = None
+        self._end: int | None = None
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         self._pending += text
+        self._fed += len(text)
         reasoning = ""
         if self._phase is Phase.OPENING:
             self._open(final)
@@ -47,6 +52,10 @@ class ReasoningStream:
             return reasoning, content
         return reasoning, ""
 
+    def in_reasoning(self, offset: int) -> bool:
+        """Whether the character at offset in the text fed is reasoning (as far as fed, for one not closed)."""
+        return self._start is not None and self._start <= offset and (self._end is None or offset < self._end)
+
     def _open(self, final: bool) -> None:
         head = self._pending.lstrip()
         if head.startswith(START):
@@ -55,10 +64,13 @@ class ReasoningStream:
             return  # could still become the tag
         else:
             self._phase = Phase.REASONING if self._starts_in_reasoning else Phase.CONTENT
+        if self._phase is Phase.REASONING:
+            self._start = self._fed - len(self._pending)
 
     def _reason(self, final: bool) -> str:
         at = self._pending.find(END)
         if at >= 0:
+            self._end = self._fed - len(self._pending) + at
             reasoning, self._pending = self._pending[:at], self._pending[at + len(END):]
             self._phase = Phase.CONTENT
             return reasoning

@@ -12,9 +12,11 @@ from moe_serve.server.tool_parsers.stream import ToolCallDelta
 TokenText = Callable[[int], str]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int) -> dict:
+    """OpenAI's CompletionUsage; reasoning_tokens: of the completion tokens, those of the reasoning."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
 
 
 class ResponseFormat(Protocol):

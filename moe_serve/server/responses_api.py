@@ -2,9 +2,9 @@
 
 A Responses body becomes a chat completion body (instructions as the system message, input
 items as messages, function_call / function_call_output items as assistant tool calls and tool
-turns, text.format as response_format, function tools as chat tools), so templating,
-validation, sampling, structured outputs and tool calling are the chat path's own; only the
-answer's shape differs (a reasoning item for its reasoning_content, a message item for its text, a
+turns, a reasoning item as the reasoning_content of the assistant turn it opens, text.format as
+response_format, function tools as chat tools), so templating, validation, sampling, structured
+outputs, tool calling and reasoning are the chat path's own; only the answer's shape differs (a reasoning item for its reasoning_content, a message item for its text, a
 function_call item per call; reasoning.effort is the chat path's reasoning_effort). With store
 (OpenAI's default) a bounded number of responses is kept (in SQLite, shared by the API server
 processes), for GET and for previous_response_id, which continues that response's conversation
@@ -171,9 +171,10 @@ def _logprobs(kind: str) -> dict:
     return {"logprobs": []} if kind == "message" else {}
 
 
-def responses_usage(input_tokens: int, output_tokens: int) -> dict:
+def responses_usage(gen: Generation) -> dict:
+    input_tokens, output_tokens = gen.plan.prompt_tokens, gen.completion_tokens
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": gen.reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
 
@@ -199,7 +200,8 @@ async def create_response(request: Request) -> Response:
                                     state.harmony is not None)
     prompts = await asyncio.to_thread(chat_prompts, chat, state.tokenizer, tools and tools.template_tools,
                                       state.harmony)
-    gen = await start_generation(state, chat, prompts, draft.id, None, engine, tools, harmony=state.harmony)
+    gen = await start_generation(state, chat, prompts, draft.id, None, engine, tools, state.settings.reasoning_parser,
+                                 state.harmony)
     if body.stream:
         return EventSourceResponse(_events(gen, draft, store), sep="\n",
                                    shutdown_grace_period=state.settings.stream_grace_seconds)
@@ -244,7 +246,7 @@ def _finish(gen: Generation, draft: ResponseDraft, items: OutputItems, finish_re
     """The closing events and the final response object, stored unless store is false."""
     status = "incomplete" if finish_reason == "length" else "completed"
     events = items.close(status)
-    body = draft.render(status, items.items, responses_usage(gen.plan.prompt_tokens, gen.completion_tokens))
+    body = draft.render(status, items.items, responses_usage(gen))
     if draft.body.store is not False:
         store.put(StoredResponse(body, (*draft.conversation, items.as_chat_message())))
     return events, body

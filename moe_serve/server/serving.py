@@ -89,8 +89,12 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(c.completion_tokens for c in self.choices.values())
 
+    @property
+    def reasoning_tokens(self) -> int:
+        return sum(c.reasoning_tokens for c in self.choices.values())
+
     def usage(self) -> dict:
-        return usage(self.plan.prompt_tokens, self.completion_tokens)
+        return usage(self.plan.prompt_tokens, self.completion_tokens, self.reasoning_tokens)
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Each choice's deltas as the engine produces them, until every choice has finished: one

@@ -158,6 +158,35 @@ def test_any_chunking_of_the_tokens_gives_the_same_parts(harmony: Harmony, token
     assert decode(harmony, tokenizer, ids, bounds, calls, finish) == expected
 
 
+@pytest.mark.parametrize(("answer", "reasoning"), [
+    (ANSWER, "The user wants 日本 🙂 & <b>."), (CALL, "Need the weather."), (PREAMBLE_CALL, ""),
+    (ANSWER[:ANSWER.index("<b>.")], "The user wants 日本 🙂 & "),  # cut while reasoning
+])
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_reasoning_tokens_are_the_analysis_texts_tokens(harmony: Harmony, tokenizer: Tokenizer, answer: str,
+                                                        reasoning: str, step: int) -> None:
+    """Counted token by token (its markup not), the same however the engine chunks the answer."""
+    ids = harmony.encoding.encode(answer, allowed_special="all")
+    params = SamplingParams(max_tokens=len(ids), stop_token_ids=harmony.stop_token_ids)
+    choice = ChoiceDecoder(0, tokenizer, TextOptions(), params, harmony=harmony.stream(True, None))
+    for a in range(0, len(ids), step):
+        last = a + step >= len(ids)
+        choice.consume(RequestOutput("r", tuple(ids[a:a + step]), finish_reason="stop" if last else None))
+    assert choice.reasoning_tokens == len(harmony.encoding.encode(reasoning))
+
+
+def test_a_turn_that_only_reasoned_keeps_its_reasoning(harmony: Harmony) -> None:
+    """Null content (a turn cut while thinking, a Responses reasoning item alone): no final message,
+    which would have harmony drop the analysis before it; empty content is an empty final message."""
+    def rendered(content: str | None) -> str:
+        messages = [CONVERSATION[1], {"role": "assistant", "content": content, "reasoning_content": "Hmm."},
+                    {"role": "user", "content": "Go on."}]
+        return harmony.encoding.decode(harmony.prompt_ids(body(messages=messages), None))
+    assert rendered(None).endswith("<|start|>assistant<|channel|>analysis<|message|>Hmm.<|end|>"
+                                   "<|start|>user<|message|>Go on.<|end|><|start|>assistant")
+    assert "Hmm." not in rendered("") and "<|channel|>final<|message|><|end|>" in rendered("")
+
+
 def test_a_stop_string_ends_the_content_not_the_reasoning(harmony: Harmony, tokenizer: Tokenizer) -> None:
     ids = harmony.encoding.encode(ANSWER, allowed_special="all")
     reasoning, content, _, finish = decode(harmony, tokenizer, ids, list(range(len(ids) + 1)), stops=("wants", "there"))

@@ -135,3 +135,54 @@ def test_the_responses_api_gives_the_reasoning_as_an_item(client: openai.OpenAI)
     events = list(client.responses.create(stream=True, **kwargs))
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == item.content[0].text
     assert events[-1].response.output[0].content[0].text == item.content[0].text
+    assert events[-1].response.usage == response.usage and response.usage.output_tokens_details.reasoning_tokens > 0
+
+
+def analysis_tokens(logprobs: list) -> int:
+    """The tokens of the text of an answer's first message, its analysis (to its end, if cut), from its
+    logprobs (the model may spell the header's "analysis" in several tokens)."""
+    tokens = [entry.token for entry in logprobs] + ["<|end|>"]
+    start = tokens.index("<|message|>")
+    return tokens.index("<|end|>", start) - start - 1
+
+
+def test_usage_counts_the_analysis_tokens_as_reasoning_streamed_or_not(client: openai.OpenAI) -> None:
+    answer = chat(client, logprobs=True, extra_body={"structured_outputs": {"grammar": REASON_THEN_ANSWER}})
+    details = answer.usage.completion_tokens_details
+    assert details.reasoning_tokens == analysis_tokens(answer.choices[0].logprobs.content) > 0
+    *_, last = chat(client, stream=True, stream_options={"include_usage": True},
+                    extra_body={"structured_outputs": {"grammar": REASON_THEN_ANSWER}})
+    assert last.usage == answer.usage
+    final_only = 'start: <|channel|> "final" <|message|> "Hi" <|return|>'
+    assert chat(client, extra_body={"structured_outputs": {"grammar": final_only}}) \
+        .usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_a_reasoning_item_sent_back_is_rendered_on_the_analysis_channel(client: openai.OpenAI,
+                                                                        gpt_oss_server: RunningServer) -> None:
+    """A client keeping its own history (store false) sends turn 1's output items back as turn 2's input."""
+    first = client.responses.create(model=MODEL, input="Hi", reasoning={"effort": "high"}, temperature=0,
+                                    max_output_tokens=16, store=False, text={"format": {"type": "json_object"}})
+    [item] = first.output  # greedy, the random model reasons to the end: a lone reasoning item
+    reasoning = item.content[0].text
+    same = chat(client, messages=[{"role": "user", "content": "Hi"}], reasoning_effort="high", temperature=0,
+                max_tokens=16, response_format={"type": "json_object"}, logprobs=True).choices[0]
+    assert same.message.model_extra["reasoning_content"] == reasoning
+    assert first.usage.output_tokens_details.reasoning_tokens == analysis_tokens(same.logprobs.content) > 0
+    ask = [{"role": "user", "content": "Hi"}]
+    again = [{"role": "user", "content": "Go on"}]
+    second = client.responses.create(model=MODEL, max_output_tokens=1, store=False,
+                                     input=[*ask, item.model_dump(), *again])
+    sealed = {**item.model_dump(exclude_none=True), "encrypted_content": "gAAAAB-unreadable"}  # beside readable text
+    assert client.responses.create(model=MODEL, max_output_tokens=1, store=False, input=[*ask, sealed, *again]) \
+        .usage.input_tokens == second.usage.input_tokens
+    tokens = gpt_oss_server.post("/tokenize", json={"model": MODEL, "messages": [
+        *ask, {"role": "assistant", "content": None, "reasoning_content": reasoning}, *again]}).json()["tokens"]
+    assert len(tokens) == second.usage.input_tokens
+    prompt = gpt_oss_server.post("/detokenize", json={"model": MODEL, "tokens": tokens}).json()["prompt"]
+    assert prompt.endswith(f"<|start|>user<|message|>Hi<|end|><|start|>assistant<|channel|>analysis<|message|>"
+                           f"{reasoning}<|end|><|start|>user<|message|>Go on<|end|><|start|>assistant")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=MODEL, input=[*ask, {"type": "reasoning", "summary": [],
+                                                           "encrypted_content": "gAAAAB-unreadable"}])
+    assert info.value.body["param"] == "input.1.encrypted_content"

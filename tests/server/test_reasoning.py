@@ -10,8 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from moe_serve.engine.messages import RequestOutput, SamplingParams
+from moe_serve.server.choice import ChoiceDecoder, TextOptions
 from moe_serve.server.reasoning import ReasoningStream
-from tests.server.conftest import REPO, RunningServer, start_server
+from moe_serve.server.tokenizer import Tokenizer
+from tests.server.conftest import DEFAULT_MODEL, RunningServer, start_server
 
 THOUGHT = "The user wants x < y, so </thin is not the end; <think> inside stays."
 ANSWER = "\n\nx = 1"
@@ -44,9 +47,29 @@ def test_any_chunking_gives_the_same_split(parser: str, text: str, reasoning: st
     assert split(parser, pieces) == (reasoning, content)
 
 
+@pytest.mark.parametrize(("parser", "text", "reasoning"), [
+    ("qwen3", "<think>The user wants x</think>\n\nx = 1", "The user wants x"),
+    ("deepseek_r1", "The user wants x</think>\n\nx = 1", "The user wants x"),
+    ("deepseek_r1", "The user wants x < y", "The user wants x < y"),  # never closed: all reasoning
+    ("qwen3", "No thinking here: <think>x", ""),
+])
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_reasoning_tokens_are_those_whose_text_is_the_reasoning(parser: str, text: str, reasoning: str,
+                                                                step: int) -> None:
+    """The tags' tokens are not counted; the count does not depend on how the engine chunks the answer."""
+    tokenizer = Tokenizer(str(DEFAULT_MODEL))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    choice = ChoiceDecoder(0, tokenizer, TextOptions(), SamplingParams(max_tokens=len(ids)),
+                           reasoning=ReasoningStream(parser))
+    for a in range(0, len(ids), step):
+        last = a + step >= len(ids)
+        choice.consume(RequestOutput("r", tuple(ids[a:a + step]), finish_reason="length" if last else None))
+    assert choice.reasoning_tokens == len(tokenizer.encode(reasoning, add_special_tokens=False))
+
+
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    running: RunningServer = start_server(REPO / "moe_serve" / "models" / "default", tmp_path_factory.mktemp("logs"),
+    running: RunningServer = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"),
                                           "--reasoning-parser", "deepseek_r1")
     yield openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused", max_retries=0)
     running.stop()
@@ -63,5 +86,25 @@ def test_reasoning_content_streamed_or_not(client: openai.OpenAI) -> None:
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == ""
-    constrained = client.chat.completions.create(response_format={"type": "json_object"}, **kwargs).choices[0]
-    assert constrained.message.content and "reasoning_content" not in constrained.message.model_extra
+    constrained = client.chat.completions.create(response_format={"type": "json_object"}, **kwargs)
+    message = constrained.choices[0].message
+    assert message.content and "reasoning_content" not in message.model_extra
+    assert constrained.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_usage_counts_the_reasoning_tokens_on_both_apis(client: openai.OpenAI) -> None:
+    """Greedy, the default model never closes the <think> deepseek_r1 opens: every token but EOS reasons."""
+    ask = {"model": "default", "temperature": 0}
+    answer = client.chat.completions.create(messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=16,
+                                            logprobs=True, **ask)
+    reasoning = answer.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning and answer.choices[0].message.content == ""
+    assert answer.usage.completion_tokens_details.reasoning_tokens == len(answer.choices[0].logprobs.content) > 0
+    *_, last = client.chat.completions.create(messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=16,
+                                              stream=True, stream_options={"include_usage": True}, **ask)
+    assert last.usage == answer.usage
+    response = client.responses.create(input="def add(a, b):", max_output_tokens=16, store=False, **ask)
+    [item] = response.output  # the Responses API splits it too: a reasoning item
+    assert item.type == "reasoning" and item.content[0].text == reasoning
+    reasoning_tokens = answer.usage.completion_tokens_details.reasoning_tokens
+    assert response.usage.output_tokens_details.reasoning_tokens == reasoning_tokens

@@ -8,8 +8,11 @@ import json
 import openai
 import pytest
 
-from moe_serve.server.responses_api import OutputItems
-from tests.server.conftest import RunningServer
+from moe_serve.server.prompts import chat_prompts
+from moe_serve.server.protocol import ResponsesRequest
+from moe_serve.server.responses_api import OutputItems, _as_chat
+from moe_serve.server.tokenizer import Tokenizer
+from tests.server.conftest import DEFAULT_MODEL, RunningServer
 
 
 def test_a_response_is_the_chat_answer_in_the_responses_shape(client: openai.OpenAI, server: RunningServer) -> None:
@@ -24,6 +27,8 @@ def test_a_response_is_the_chat_answer_in_the_responses_shape(client: openai.Ope
     assert message.type == "message" and message.role == "assistant" and message.content[0].type == "output_text"
     assert resp.output_text == message.content[0].text
     assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    assert resp.usage.output_tokens_details.reasoning_tokens == 0  # no reasoning parser, no harmony
+    assert chat.usage.completion_tokens_details.reasoning_tokens == 0
     assert resp.usage.total_tokens == resp.usage.input_tokens + resp.usage.output_tokens
     assert (resp.status, resp.incomplete_details is not None) in {("completed", False), ("incomplete", True)}
     assert resp.status == "completed" or resp.usage.output_tokens == 12
@@ -78,7 +83,11 @@ def test_text_format_is_the_chat_paths_response_format(client: openai.OpenAI, se
     ({"reasoning": {"effort": "low"}}, "reasoning.effort"),  # the harmony format's (tests/server/test_harmony*)
     ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.content"),
+    ({"input": [{"role": "user", "content": "hi"}, {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]},
+     "input.1.encrypted_content"),  # none is issued here, so none can be read
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": [{"type": "item_reference", "id": "rs_1"}]}, "input.0.type"),
 ])
 def test_what_is_not_served_is_a_400_naming_it(client: openai.OpenAI, server: RunningServer, fields: dict,
                                                param: str) -> None:
@@ -131,3 +140,32 @@ def test_reasoning_is_an_item_of_its_own_before_the_message() -> None:
     assert reasoning["type"] == "reasoning" and reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
     assert message["content"][0]["text"] == "Hi" and events[7][1]["output_index"] == 0
     assert items.as_chat_message() == {"role": "assistant", "content": "Hi", "reasoning_content": "Thinking."}
+
+
+THINK_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                  "</think>{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}<call {{ c.id }}>{% endfor %}"
+                  "{% endfor %}")
+
+
+def test_a_reasoning_item_is_the_reasoning_content_of_the_assistant_turn_it_opens() -> None:
+    """An answer's items sent back (reasoning, message, calls) are one assistant turn, as the chat path
+    gives it to the template; a summary stands in for absent content; unreadable encrypted content beside
+    readable text is ignored. (The harmony format renders it on the analysis channel: test_harmony*.)"""
+    message = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+               "content": [{"type": "output_text", "text": "Let me add.", "annotations": [], "logprobs": None}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}", "id": "fc_1", "status": None}
+    body = ResponsesRequest.model_validate({"model": "m", "input": [
+        {"role": "user", "content": "add 2 and 3"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAA", "status": "completed",
+         "content": [{"type": "reasoning_text", "text": "Use "}, {"type": "reasoning_text", "text": "add."}]},
+        message, call, {"type": "function_call_output", "call_id": "c1", "output": "5"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Done."},
+                                          {"type": "summary_text", "text": "Say it."}]},
+        {**message, "content": [{"type": "output_text", "text": "5"}]},
+        {"role": "user", "content": "thanks"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Cut short"}]}]})  # reasoned only
+    tokenizer = Tokenizer(str(DEFAULT_MODEL), chat_template=THINK_TEMPLATE)
+    [ids] = chat_prompts(_as_chat(body, body.messages()), tokenizer)
+    assert tokenizer.decode(ids) == ("[user]add 2 and 3[assistant]<think>Use add.</think>Let me add.<call c1>[tool]5"
+                                     "[assistant]<think>Done.\n\nSay it.</think>5[user]thanks"
+                                     "[assistant]<think>Cut short</think>")

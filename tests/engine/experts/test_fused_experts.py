@@ -109,7 +109,12 @@ def test_interpreter_matches_torch_path():
 @needs_triton
 @pytest.mark.parametrize("quant", interpreted_formats() + MIXED_FORMATS)
 def test_interpreter_decodes_quantized_slots_as_torch_does(quant):
-    run_interpreted(__file__, f"check_interpreted({json.dumps(fitted_cases(QUANT_CASES, quant))}, {quant!r}, "
+    cases = fitted_cases(QUANT_CASES, quant)
+    if cases[0] != QUANT_CASES[0]:
+        # a block format: fitted to whole blocks, the odd case is gone and TINY's tiles would only cut its
+        # blocks, which formats/test_triton_loads.py checks at every tile width (8-11 s here a format)
+        cases = cases[1:]
+    run_interpreted(__file__, f"check_interpreted({json.dumps(cases)}, {quant!r}, "
                               f"{json.dumps(fitted_cases(QUANT_DEFAULT_TILE_CASES, quant))})")
 
 
