@@ -149,9 +149,7 @@ class ModelConfig:
         if published != "none" and quant not in ("none", published):
             raise ValueError(f"the checkpoint's experts are {published}: --expert-quant {quant} would quantize them "
                              f"again; leave it unset")
-        name = quant if published == "none" else published
-        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(name, dtype),
-                            activation=self.expert_activation, biases=self.expert_biases)
+        return self._layout(dtype, quant if published == "none" else published)
 
     def expert_layouts(self, dtype: torch.dtype, quant: str = "none") -> list[ExpertLayout]:
         """Each MoE layer's expert layout: expert_layout's, or each layer's own where the checkpoint
@@ -165,6 +163,11 @@ class ModelConfig:
             layer_formats = list(self.published_layer_formats)
         else:
             return [self.expert_layout(dtype, quant)] * self.num_moe_layers
-        return [ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(gate_up, dtype),
-                             expert_format(down, dtype), activation=self.expert_activation, biases=self.expert_biases)
-                for gate_up, down in layer_formats]
+        return [self._layout(dtype, gate_up, down) for gate_up, down in layer_formats]
+
+    def _layout(self, dtype: torch.dtype, gate_up: str, down: str | None = None) -> ExpertLayout:
+        """An expert row of this model's shape, activation and biases, its matrices in the formats named
+        (down None: gate_up's)."""
+        return ExpertLayout(self.hidden_size, self.moe_intermediate_size, dtype, expert_format(gate_up, dtype),
+                            None if down is None else expert_format(down, dtype),
+                            activation=self.expert_activation, biases=self.expert_biases)
