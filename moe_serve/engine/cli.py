@@ -26,6 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=str(DEFAULT_MODEL), metavar="DIR|FILE.gguf",
                         help="local Hugging Face checkpoint folder, or a llama.cpp GGUF file (its experts kept in "
                              "their Q8_0/Q4_K/Q5_K/Q6_K blocks); hub ids are not downloaded")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="tokenizer folder, for prompts and for structured outputs' grammars (default: the "
+                             "model's folder or GGUF file)")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weights and activations (default: bfloat16 on cuda, float32 on cpu)")
@@ -110,8 +113,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return EngineConfig(
-        model=args.model, device=device, dtype=args.dtype, gpu_expert_budget=args.gpu_expert_budget,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        model=args.model, tokenizer=args.tokenizer, device=device, dtype=args.dtype,
+        gpu_expert_budget=args.gpu_expert_budget, gpu_memory_utilization=args.gpu_memory_utilization,
         cache_policy=args.cache_policy, prefetch=args.prefetch, prefetch_depth=args.prefetch_depth,
         cpu_experts=args.cpu_experts, expert_quant=args.expert_quant,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -137,7 +140,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=DefaultsHelpFormatter)
     add_engine_arguments(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the model directory)")
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer files in the model directory or --tokenizer)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -149,19 +152,19 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return finish_engine_args(parser, parser.parse_args(env_argv(parser) + argv), argv)
 
 
-def _load_tokenizer(model_dir: str, trust_remote_code: bool):
+def _load_tokenizer(tokenizer_path: str, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
     from moe_serve.engine.gguf import is_gguf, tokenizer_source
     from moe_serve.engine.preflight import TOKENIZER_FILES
 
-    if not is_gguf(model_dir) and not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+    if not is_gguf(tokenizer_path) and not any((Path(tokenizer_path) / name).is_file() for name in TOKENIZER_FILES):
         return None
     try:
-        folder, gguf = tokenizer_source(model_dir)  # a GGUF's tokenizer is built here: a ValueError naming why
+        folder, gguf = tokenizer_source(tokenizer_path)  # a GGUF's tokenizer is built here: a ValueError naming why
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
     except (OSError, ValueError) as exc:
-        sys.exit(f"moe-generate: cannot load the tokenizer in {model_dir}: {exc}")
+        sys.exit(f"moe-generate: cannot load the tokenizer in {tokenizer_path}: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,10 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         check_engine_config(config)
     except ConfigError as exc:
         sys.exit(f"moe-generate: {exc}")
-    tokenizer = _load_tokenizer(args.model, args.trust_remote_code)
+    tokenizer = _load_tokenizer(config.tokenizer_path, args.trust_remote_code)
     if args.prompt is not None:
         if tokenizer is None:
-            sys.exit(f"moe-generate: {args.model} has no tokenizer files; pass --prompt-ids instead of --prompt")
+            sys.exit(f"moe-generate: {config.tokenizer_path} has no tokenizer files; pass --tokenizer DIR, or "
+                     "--prompt-ids instead of --prompt")
         prompt_ids = tokenizer.encode(args.prompt)
     else:
         prompt_ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]

@@ -50,6 +50,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
+    # a tokenizer folder (or GGUF file) other than the model's: the server's text and the engine's grammars read it
+    tokenizer: str | None = None
     device: str = "cpu"
     dtype: str | None = None  # None: bf16 on cuda, fp32 on cpu
     gpu_expert_budget: str | None = None  # None: what --gpu-memory-utilization leaves (moe_serve/engine/memory_plan.py)
@@ -81,6 +83,11 @@ class EngineConfig:
     cuda_graphs: bool = True  # replay short forwards (decode, draft, verify) as CUDA graphs (moe_serve/engine/graphs.py)
     trust_remote_code: bool = False
     logging: LogSettings = field(default_factory=LogSettings)  # the engine process sets up its own logging
+
+    @property
+    def tokenizer_path(self) -> str:
+        """Where the tokenizer is: --tokenizer's folder, else the model's folder or GGUF file."""
+        return self.tokenizer or self.model
 
 
 def model_context_length(model: ModelConfig) -> int:

@@ -36,7 +36,7 @@ class EngineCore:
         self.batch_samples: list[tuple[int, int]] = []  # (sequences, tokens) per step since the last snapshot
         self.spec_switch = SpecSwitch(always=config.spec_switch == "always")
         self._speculating: Sequence | None = None  # the sequence the speculative decoder's caches hold
-        self.grammars = Grammars.of_checkpoint(config.model, self.runtime.model_config.vocab_size,
+        self.grammars = Grammars.of_checkpoint(config.tokenizer_path, self.runtime.model_config.vocab_size,
                                                config.trust_remote_code)
 
     def ready_info(self) -> EngineReady:

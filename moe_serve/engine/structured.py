@@ -88,14 +88,17 @@ class Grammars:
         self.vocab_size = vocab_size  # the model's logits width, when it differs from the tokenizer's
 
     @classmethod
-    def of_checkpoint(cls, model_dir: str, vocab_size: int, trust_remote_code: bool) -> "Grammars":
+    def of_checkpoint(cls, tokenizer_path: str, vocab_size: int, trust_remote_code: bool) -> "Grammars":
+        """tokenizer_path: the folder or GGUF file the server's tokenizer comes from (EngineConfig.tokenizer_path),
+        so that a grammar's tokens are the ones the prompts were encoded with."""
+
         def load():
             # only an engine that meets a grammar needs transformers
             from transformers import AutoTokenizer
 
             from moe_serve.engine.gguf import tokenizer_source
 
-            folder, kwargs = tokenizer_source(model_dir)  # a GGUF's: converted once, then read from the cache
+            folder, kwargs = tokenizer_source(tokenizer_path)  # a GGUF's: converted once, then read from the cache
             return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
 
         return cls(load, vocab_size)

@@ -48,7 +48,7 @@ def create_app(settings: ServerSettings, engine_config: EngineConfig, on_fatal: 
     in_flight = InFlightCounts.private() if shared is None else shared.in_flight
     engine = EngineClient(addresses[0], in_flight, metrics.on_snapshot, metrics.engine.engine_lost, on_fatal)
     supervisor = EngineSupervisor(engine_config, addresses) if shared is None else None
-    tokenizer = Tokenizer(engine_config.model, engine_config.trust_remote_code, tokenizer_dir=settings.tokenizer,
+    tokenizer = Tokenizer(engine_config.model, engine_config.trust_remote_code, tokenizer_dir=engine_config.tokenizer,
                           chat_template=settings.chat_template)
     harmony = Harmony(load_encoding()) if settings.harmony else None
     if harmony is not None:

@@ -51,8 +51,6 @@ def build_parser() -> argparse.ArgumentParser:
                              f"shipped with the package ({', '.join(preset_names())}); command-line flags win "
                              "(default: none)")
     add_engine_arguments(parser)
-    parser.add_argument("--tokenizer", default=None, metavar="DIR",
-                        help="tokenizer folder (default: the model's folder)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="Jinja chat template, a file or the template itself, instead of the checkpoint's "
                              "(default: the checkpoint's)")
@@ -181,7 +179,7 @@ def server_settings_from_args(args: argparse.Namespace) -> ServerSettings:
         api_key=args.api_key or None, max_queue=args.max_queue, max_tokens_cap=args.max_tokens_cap,
         metrics_require_key=args.metrics_require_key, max_body_bytes=args.max_body_bytes,
         drain_seconds=args.drain_seconds, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, harmony=harmony, tokenizer=args.tokenizer,
+        reasoning_parser=args.reasoning_parser, harmony=harmony,
         chat_template=None if args.chat_template is None else read_chat_template(args.chat_template),
         sampling_defaults=SamplingDefaults.read(args.generation_config, args.model),
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
@@ -199,7 +197,7 @@ def startup_checks(args: argparse.Namespace, engine_config: EngineConfig) -> soc
     from moe_serve.engine.preflight import check_engine_config, check_tokenizer_dir  # torch: not for --help
 
     check_engine_config(engine_config)
-    check_tokenizer_dir(args.tokenizer or args.model, "--tokenizer" if args.tokenizer else "--model")
+    check_tokenizer_dir(engine_config.tokenizer_path, "--tokenizer" if engine_config.tokenizer else "--model")
     return bind_listener(args.host, args.port)
 
 
@@ -311,9 +309,9 @@ def serve(settings: ServerSettings, engine_config: EngineConfig, listener: socke
         sys.exit(f"moe-serve: {exc}")
     except (OSError, ValueError) as exc:  # the tokenizer's files are there but transformers cannot read them
         # transformers builds no tokenizer of an olmoe, deepseek2, glm4moe, ernie4_5-moe, minimax-m2 or dots1 GGUF
-        hint = ("; give the checkpoint's tokenizer folder as --tokenizer DIR" if settings.tokenizer is None
+        hint = ("; give the checkpoint's tokenizer folder as --tokenizer DIR" if engine_config.tokenizer is None
                 and is_gguf(engine_config.model) else "")
-        sys.exit(f"moe-serve: cannot load the tokenizer in {settings.tokenizer or engine_config.model}: "
+        sys.exit(f"moe-serve: cannot load the tokenizer in {engine_config.tokenizer_path}: "
                  f"{str(exc).rstrip('.')}{hint}")
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=engine_config.logging.level,
                             log_config=engine_config.logging.dict_config(),

@@ -80,7 +80,6 @@ class ServerSettings:
     # On SIGTERM requests in flight get this long to finish before they end with a 503 (an error
     # event in a stream); uvicorn's graceful timeout and the SSE grace period are set above it.
     drain_seconds: float = 3.0
-    tokenizer: str | None = None  # a tokenizer folder other than the model's
     chat_template: str | None = None  # the template text, replacing the checkpoint's
     sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     tool_call_parser: str | None = None  # reads tool calls out of tool_choice "auto" answers; None: no "auto"
@@ -112,7 +111,7 @@ class ServerSettings:
                 "max_body_bytes": self.max_body_bytes,
                 "drain_seconds": self.drain_seconds, "tool_call_parser": self.tool_call_parser,
                 "reasoning_parser": self.reasoning_parser, "harmony": self.harmony,
-                "tokenizer": self.tokenizer, "chat_template": "given" if self.chat_template else "the checkpoint's",
+                "chat_template": "given" if self.chat_template else "the checkpoint's",
                 "sampling_defaults": self.sampling_defaults.describe(),
                 "allowed_origins": self.allowed_origins, "allowed_methods": self.allowed_methods,
                 "log_requests": self.log_requests, "access_log": self.access_log,

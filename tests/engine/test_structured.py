@@ -131,6 +131,21 @@ def test_constrained_sequence_does_not_speculate(tiny_model: Path, core: EngineC
         spec.close()
 
 
+def test_grammars_read_the_tokenizer_folder_given(core: EngineCore, tmp_path: Path) -> None:
+    """--tokenizer DIR beside a checkpoint without tokenizer files (as a GGUF whose tokenizer transformers
+    cannot build): grammars compile against DIR's tokenizer, and answer as the checkpoint holding its own."""
+    build_tiny_checkpoint("mixtral", tmp_path / "weights")  # the module's tiny_model, less its tokenizer
+    build_tiny_tokenizer(tmp_path / "tokenizer")
+    split = EngineCore(EngineConfig(model=str(tmp_path / "weights"), tokenizer=str(tmp_path / "tokenizer")))
+    try:
+        for i, structured in enumerate(STRUCTURED):
+            request = constrained(f"split{i}", structured, 1.0, seed=i)
+            done = run_to_completion(split, request)
+            assert (done.token_ids, done.finish_reason) == (run_to_completion(core, request).token_ids, "stop")
+    finally:
+        split.close()
+
+
 def test_grammars_name_what_does_not_compile(tiny_model: Path) -> None:
     grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
     grammars.check(StructuredOutput("json_schema", json.dumps(SCHEMA)))

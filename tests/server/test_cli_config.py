@@ -41,6 +41,13 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
     assert server_settings_from_args(args).port == 9001 and not args.metrics_require_key
 
 
+def test_tokenizer_folder_reaches_the_engine(tmp_path: Path) -> None:
+    """The engine compiles structured outputs' grammars with it, so it is the engine's setting."""
+    assert engine_config_from_args(parse_args([])).tokenizer_path == parse_args([]).model
+    args = parse_args(["--config", write(tmp_path, {"tokenizer": "/tokenizer"})])
+    assert engine_config_from_args(args).tokenizer_path == "/tokenizer"
+
+
 def test_yaml_on_off_reach_on_off_flags(tmp_path: Path) -> None:
     """YAML 1.1 turns a bare `off` into False; it must still mean --cuda-graphs off."""
     args = parse_args(["--config", write(tmp_path, {"cuda-graphs": False})])

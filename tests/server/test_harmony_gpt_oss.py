@@ -7,7 +7,6 @@ response_format), steered out of its reasoning by a logit_bias on <|end|>."""
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,9 +34,8 @@ def gpt_oss_server(gpt_oss_tokenizer_dir: Path, tmp_path_factory: pytest.TempPat
     model = build_tiny_checkpoint("gpt_oss", tmp_path_factory.mktemp("ckpt") / MODEL, vocab_size=VOCAB_SIZE,
                                   max_position_embeddings=1024, bos_token_id=FIRST_SPECIAL,
                                   eos_token_id=200002, pad_token_id=FIRST_SPECIAL + 1)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(gpt_oss_tokenizer_dir / name, model / name)
-    running = start_server(model, tmp_path_factory.mktemp("logs"), "--max-model-len", "1024")
+    running = start_server(model, tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
+                           "--tokenizer", str(gpt_oss_tokenizer_dir))
     yield running
     running.stop()
 
