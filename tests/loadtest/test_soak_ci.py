@@ -1,4 +1,4 @@
-"""The soak run, CI-sized: 64 streaming clients against a spawned server for ~40 s, every answer
+"""The soak run, CI-sized: 64 streaming clients against a spawned server for ~20 s, every answer
 verified, 429s from a queue smaller than the client count the only errors, the server's and the
 engine's memory and file descriptors where they started, and a clean exit on SIGTERM.
 The full 10-minute run is loadtest/results/soak-*.json (command in loadtest/README.md)."""
@@ -13,7 +13,9 @@ from loadtest.run import main
 
 CLIENTS = 64
 MAX_QUEUE = 48  # below CLIENTS: some requests must be turned away with 429
-SECONDS = 40
+# ~1,800 verified answers on the 2-core CI machine (3,612 in 40 s): a leak per request still shows
+# in the RSS and fd checks, and the 10-minute run is where slow growth is looked for
+SECONDS = 20
 RSS_GROWTH_MB = 40  # allocator warm-up after the untimed warm-up; a leak per request would be far above
 
 

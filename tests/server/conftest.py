@@ -86,12 +86,14 @@ class RunningServer:
             return self.process.wait()
 
 
-def start_server(model_dir: Path, log_dir: Path, *args: str, env: dict[str, str] | None = None) -> RunningServer:
-    """Start `python -m moe_serve.server` and wait until /health says the engine is ready."""
+def start_server(model_dir: Path, log_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 module: str = "moe_serve.server") -> RunningServer:
+    """Start `python -m moe_serve.server` (or another module taking its flags) and wait until /health says
+    the engine is ready."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "moe_serve.server", "--model", str(model_dir), "--device", "cpu", "--port", str(port),
+    cmd = [sys.executable, "-m", module, "--model", str(model_dir), "--device", "cpu", "--port", str(port),
            "--max-model-len", str(MAX_MODEL_LEN), *args]
     # One intra-op thread: on a small shared CPU torch's default thread pool spins against the
     # other processes (measured: ~70x slower per step on 2 busy cores).
@@ -127,6 +129,16 @@ def default_model_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[R
     """The embedded default model (a real tokenizer and trained weights), for tests that compare
     against it scored directly with transformers."""
     running = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="session")
+def hermes_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    """The embedded default model with its tool-call parser (hermes: tool_choice "auto" is served) and room
+    for tool schemas in the prompt: the client-library tests and the tool-calling tests share it."""
+    running = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
+                           "--tool-call-parser", "hermes")
     yield running
     running.stop()
 

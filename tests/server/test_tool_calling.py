@@ -7,6 +7,7 @@ tool_choice stays "auto": the calls then come out of the parser, not out of the 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.conftest import REPO, RunningServer, start_server
+from tests.server.conftest import DEFAULT_MODEL, REPO, RunningServer, free_port, start_server
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
@@ -46,16 +47,8 @@ FAMILY_CALLS = {
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(REPO / "moe_serve" / "models" / "default", tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
-                           "--tool-call-parser", "hermes")
-    yield running
-    running.stop()
-
-
-@pytest.fixture(scope="module")
-def client(tool_server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tool_server.base_url + "/v1", api_key="unused", max_retries=0)
+def client(hermes_server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=hermes_server.base_url + "/v1", api_key="unused", max_retries=0)
 
 
 def chat(client: openai.OpenAI, **kwargs):
@@ -116,19 +109,28 @@ def test_auto_reads_hermes_calls_out_of_the_text(client: openai.OpenAI) -> None:
     assert_auto_reads_calls_out_of(client, HERMES_CALL)
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILY_CALLS))
-def family_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, openai.OpenAI]]:
-    running = start_server(REPO / "moe_serve" / "models" / "default", tmp_path_factory.mktemp("logs"), "--max-model-len",
-                           "1024", "--tool-call-parser", request.param)
-    yield request.param, openai.OpenAI(base_url=running.base_url + "/v1", api_key="unused", max_retries=0)
-    running.stop()
+@pytest.fixture(scope="module")
+def family_clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, openai.OpenAI]]:
+    """A client per family's parser, each to an app of its own --tool-call-parser: the apps run in one
+    process on one engine (tests/server/parser_servers.py), one server start-up instead of one a parser."""
+    first, *others = sorted(FAMILY_CALLS)
+    ports = {parser: free_port() for parser in others}
+    running = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
+                           "--tool-call-parser", first, *(f"--also-serve={p}={port}" for p, port in ports.items()),
+                           module="tests.server.parser_servers")
+    urls = {first: running.base_url} | {parser: f"http://127.0.0.1:{port}" for parser, port in ports.items()}
+    for url in urls.values():
+        dataclasses.replace(running, base_url=url).wait_healthy()
+    yield {parser: openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) for parser, url in urls.items()}
+    assert running.stop() == 0
 
 
-def test_each_parser_reads_its_familys_calls_out_of_the_text(family_server: tuple[str, openai.OpenAI]) -> None:
-    parser, family_client = family_server
+@pytest.mark.parametrize("parser", sorted(FAMILY_CALLS))
+def test_each_parser_reads_its_familys_calls_out_of_the_text(family_clients: dict[str, openai.OpenAI],
+                                                             parser: str) -> None:
     # Mistral's chat templates refuse call ids other than nine letters and digits
     id_pattern = r"[A-Za-z0-9]{9}" if parser == "mistral" else r"call_[0-9a-f]{24}"
-    assert_auto_reads_calls_out_of(family_client, FAMILY_CALLS[parser], id_pattern)
+    assert_auto_reads_calls_out_of(family_clients[parser], FAMILY_CALLS[parser], id_pattern)
 
 
 def test_required_calls_a_tool_on_any_model(client: openai.OpenAI) -> None:

@@ -1,5 +1,6 @@
 """One real server for the client-library tests: the embedded default model with the hermes tool-call
-parser (so `tool_choice: "auto"` is served), on the CPU.
+parser (so `tool_choice: "auto"` is served), on the CPU (tests/server/conftest.py's hermes_server, which the
+tool-calling tests share).
 
 The default model is a small code model: it writes code, not answers. These tests check the protocol
 each client speaks (shapes, tool-call names and JSON arguments, structured output that parses and
@@ -10,12 +11,11 @@ objects (`additionalProperties: false`), since without that the model is free to
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from tests.server.conftest import DEFAULT_MODEL, RunningServer, start_server
+from tests.server.conftest import RunningServer
 
 # No client reaches the internet: litellm would fetch its model cost map at import, the hub
 # libraries would look up tokenizers.
@@ -37,11 +37,8 @@ WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "descrip
 
 
 @pytest.fixture(scope="package")
-def client_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(DEFAULT_MODEL, tmp_path_factory.mktemp("logs"), "--max-model-len", "1024",
-                           "--tool-call-parser", "hermes")
-    yield running
-    running.stop()
+def client_server(hermes_server: RunningServer) -> RunningServer:
+    return hermes_server
 
 
 @pytest.fixture(scope="package")
