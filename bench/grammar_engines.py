@@ -380,7 +380,7 @@ def main() -> None:
         "machine": {"cpu_count": os.cpu_count(), "cpu": platform.processor() or platform.machine(),
                     "load_avg_at_start": os.getloadavg(), "python": platform.python_version(),
                     "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
-        "llguidance": llguidance.__version__, "xgrammar": metadata.version("xgrammar"),
+        "llguidance": metadata.version("llguidance"), "xgrammar": metadata.version("xgrammar"),
         "tokenizer": f"synthetic BPE ({args.synthetic_vocab})" if args.synthetic_vocab else args.model,
         "tokenizer_vocab": len(hf), "vocab": vocab, "tokenizer_load_s": tokenizer_s,
         "setup": {"ll_tokenizer_s": engines.ll_tokenizer_s, "xg_tokenizer_s": engines.xg_tokenizer_s},

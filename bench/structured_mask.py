@@ -19,6 +19,7 @@ within 10% of unconstrained.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as metadata
 import json
 import random
 import statistics
@@ -72,7 +73,7 @@ def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device
         t1 = time.perf_counter()
         mask = pending.result()
         t2 = time.perf_counter()
-        arms, sampler_s = [("masked", mask), ("plain", None)], {}
+        arms, sampler_s = [("masked", lambda: mask), ("plain", None)], {}
         for arm, allowed in arms if step % 2 else arms[::-1]:  # either runs first after the fill, in turn
             started = time.perf_counter()
             sample(logits, sampling, allowed).to_host()
@@ -168,7 +169,7 @@ def main() -> None:
     grammars = Grammars(lambda: hf, vocab)
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch_threads": torch.get_num_threads(), "model": args.model, "tokenizer_vocab": len(hf),
-              "llguidance": llguidance.__version__,
+              "llguidance": metadata.version("llguidance"),
               "mask": [bench_masks(grammars, b, args.steps, device, vocab) for b in args.batch]}
     if not args.no_engine:
         result["engine"] = [bench_engine(args.model, args.device, b) for b in args.batch]

@@ -105,8 +105,8 @@ class ModelRunner:
         """Chunk index -> the token sampled after it, from the sampling chunks' logits [S, V]."""
         batch = SamplingBatch.build([SamplingRow(chunks[i].seq.params, chunks[i].seq.seed, chunks[i].seq.output_ids,
                                                  chunks[i].seq.prompt_ids) for i in sampling], self.device)
-        allowed = None if masks is None else masks.result()  # the step's first wait for the fill
-        tokens, logprobs = sample(logits.float(), batch, allowed).to_host()
+        # the masks are waited for (or, with few constrained rows, filled) inside: as late as they can be
+        tokens, logprobs = sample(logits.float(), batch, None if masks is None else masks.result).to_host()
         return {i: Sampled(token, logprob) for i, token, logprob in zip(sampling, tokens, logprobs)}
 
     @staticmethod

@@ -31,7 +31,7 @@ candidates' p/E tie to rounding.)
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from itertools import chain, repeat
@@ -41,6 +41,7 @@ from typing import TypeVar
 import torch
 
 from moe_serve.engine.messages import SamplingParams, TokenLogprob
+from moe_serve.engine.token_mask import TokenMask
 
 _TINY = torch.finfo(torch.float32).tiny  # the smallest temperature kept (see sampling.target_distribution)
 _MASK32 = 0xFFFFFFFF
@@ -177,60 +178,31 @@ class SampledTokens:
         return tokens, logprobs
 
 
-@dataclass(frozen=True)
-class TokenMask:
-    """The tokens each row may take this step (filled by moe_serve/engine/structured.py); a row without
-    a grammar is all ones. One mask for the whole batch: a pass over every row costs less than
-    gathering the constrained rows out and scattering them back."""
-
-    bits: torch.Tensor  # [B, W] int32, 32 W >= V: bit j of word w allows token 32 w + j
-
-    def restrict(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, V] with -inf at every forbidden token; a new tensor, so the logprobs still read
-        the model's own logits."""
-        # shifted so token j's bit lands on the sign bit, which signbit reads (int32 shifts wrap; `< 0`
-        # would also make the 0 a tensor each step)
-        allowed = torch.signbit(self.bits.unsqueeze(-1) << _sign_shifts(self.bits.device)).flatten(1)  # [B, 32 W]
-        if allowed.shape[1] != logits.shape[-1]:  # sliced only where V is no multiple of 32: one op fewer a step
-            allowed = allowed[:, :logits.shape[-1]]  # [B, V]
-        # where, not masked_fill: out of place, masked_fill is a clone and then the fill (two kernels)
-        return torch.where(allowed, logits, _minus_inf(logits.device, logits.dtype))  # [B, V]
-
-
-@cache
-def _sign_shifts(device: torch.device) -> torch.Tensor:
-    """[32] int32 31, 30, ..., 0: TokenMask's shifts, made once per device rather than per step (on
-    CUDA each arange is one more launch on the engine thread)."""
-    return torch.arange(31, -1, -1, dtype=torch.int32, device=device)
-
-
-@cache
-def _minus_inf(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A 0-dim -inf on the logits' device, in their dtype: TokenMask's fill value. (A Python float
-    there becomes a new device tensor each step, one more launch; a CPU one, a copy.)"""
-    return torch.tensor(float("-inf"), dtype=dtype, device=device)
-
-
-def sample(logits: torch.Tensor, batch: SamplingBatch, allowed: TokenMask | None = None) -> SampledTokens:
+def sample(logits: torch.Tensor, batch: SamplingBatch,
+           allowed: Callable[[], TokenMask] | None = None) -> SampledTokens:
     """The next token of every row. logits [B, V], any float dtype, on the batch's device.
 
-    allowed: the grammar masks (moe_serve/engine/structured.py); None when no row is constrained. A
-    row's token is chosen among the ones its mask allows; its logprobs are the model's."""
+    allowed: gives the grammar masks (moe_serve/engine/structured.py); None when no row is constrained.
+    A row's token is chosen among the ones its mask allows; its logprobs are the model's. It is
+    called once the work that does not need the masks is queued (the draws' noise, the logprobs):
+    a fill on another thread (structured.FillWorker) runs beside those launches."""
     top = batch.max_logprobs
     if not batch.adjusts_logits and batch.num_sampled == 0 and top is None:
-        candidates = logits if allowed is None else allowed.restrict(logits)
+        candidates = logits if allowed is None else allowed().restrict(logits)
         return SampledTokens(candidates.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax
     logits = _adjusted(logits.float(), batch)  # [B, V]
-    candidates = logits if allowed is None else allowed.restrict(logits)  # [B, V]
+    noise = exponential_noise(batch.noise_key, logits.shape[-1]) if batch.num_sampled else None  # [S, V]
+    logp = None if top is None else torch.log_softmax(logits, dim=-1)  # [B, V]
+    candidates = logits if allowed is None else allowed().restrict(logits)  # [B, V]
     if batch.num_sampled == batch.size:
-        tokens = _draw(candidates, batch)  # [B]
+        tokens = _draw(candidates, batch, noise)  # [B]
     else:
         tokens = candidates.argmax(-1)  # [B]
         if batch.num_sampled:
-            tokens.index_copy_(0, batch.sampled_rows, _draw(candidates.index_select(0, batch.sampled_rows), batch))
-    if top is None:
+            tokens.index_copy_(0, batch.sampled_rows,
+                               _draw(candidates.index_select(0, batch.sampled_rows), batch, noise))
+    if logp is None:
         return SampledTokens(tokens, None, None, None, batch.logprobs)
-    logp = torch.log_softmax(logits, dim=-1)  # [B, V]
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
     top_logprobs, top_ids = ranked_top_logprobs(logp, top)  # [B, N]
     return SampledTokens(tokens, chosen, top_ids, top_logprobs, batch.logprobs)
@@ -304,8 +276,9 @@ def exponential_noise(noise_key: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return u.log_().neg_().float()
 
 
-def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Temperature, top-k, top-p and the exponential race for the sampled rows. [S, V] -> [S]."""
+def _draw(logits: torch.Tensor, batch: SamplingBatch, noise: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, top-p and the exponential race for the sampled rows, under their
+    exponential_noise [S, V]. [S, V] -> [S]."""
     # shifted so the top logit is 0 first, as sampling.target_distribution does (tiny temperatures)
     scaled = (logits - logits.amax(-1, keepdim=True)) / batch.temperature[:, None]  # [S, V]
     if batch.log_min_p is not None:  # p_v < min_p * p_max, as scaled logits: the best one is 0
@@ -314,7 +287,7 @@ def _draw(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         probs = _truncated_probs(scaled, batch)
     else:
         probs = torch.softmax(scaled, dim=-1)  # [S, V]
-    return (probs / exponential_noise(batch.noise_key, logits.shape[-1])).argmax(-1)  # [S]
+    return (probs / noise).argmax(-1)  # [S]
 
 
 def _truncated_probs(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

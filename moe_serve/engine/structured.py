@@ -13,7 +13,11 @@ EOS: the sequence then finishes at once ("stop"), without spending a step on the
 """
 from __future__ import annotations
 
+import _thread
 import json
+import queue
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,7 +27,7 @@ import llguidance.hf
 import torch
 
 from moe_serve.engine.messages import StructuredOutput
-from moe_serve.engine.sampler import TokenMask
+from moe_serve.engine.token_mask import TokenMask
 
 # JSON without optional whitespace (',' and ':' separators): a model cannot stall in an endless
 # run of blanks, and a schema's "x-guidance" options still override this.
@@ -125,93 +129,133 @@ class Grammars:
 
 
 class MaskBuffer:
-    """The rows each step's masks are filled into, kept from step to step: a constrained step then
-    allocates nothing, and on CUDA pays one copy into a kept device buffer. (With a pinned buffer
-    made and set to ones, then a new device tensor, every step, the H100 measured 49-91 us for a
-    lone row's fill, whose llguidance part takes 5-7 us on a CPU host.)"""
+    """The host rows each step's masks are filled into, kept from step to step: a constrained step
+    then allocates nothing. On CUDA they are pinned, and the device reads them in place
+    (moe_serve/engine/token_mask.py): nothing is copied. (With a pinned buffer made and set to ones,
+    then a new device tensor, every step, the H100 measured 49-91 us for a lone row's fill, whose
+    llguidance part takes 5-7 us on a CPU host.)"""
 
     def __init__(self, capacity: int, width: int, device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.capacity, self.width, self.device = capacity, width, device
-        # pinned, so that the upload need not wait for the host
         self.host = torch.empty((capacity, width), dtype=torch.int32, pin_memory=cuda)  # [C, W]
-        # on the CPU the sampler reads the host rows themselves
-        self.sent = torch.empty_like(self.host, device=device) if cuda else self.host  # [C, W]
-        # the last upload out of host: the host rows are written again only once it has landed
-        # (it has, unless that step failed before reading its tokens back)
-        self.landed = torch.cuda.Event() if cuda else None
-        self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # B -> host[:B], sent[:B]
+        # the device's last read of host: the rows are written again only once it is done (it is,
+        # unless that step failed before reading its tokens back)
+        self.read = torch.cuda.Event() if cuda else None
+        self._slices: dict[int, torch.Tensor] = {}  # B -> host[:B]
 
     def fits(self, size: int, width: int, device: torch.device) -> bool:
         return size <= self.capacity and width == self.width and device == self.device
 
     def writable(self, size: int) -> torch.Tensor:
-        """host's first `size` rows [B, W], free to write."""
-        if self.landed is not None:
-            self.landed.synchronize()
-        return self._views(size)[0]
+        """host's first `size` rows [B, W], once the device is done reading them."""
+        self.wait_for_reads()
+        return self.rows(size)
 
-    def upload(self, size: int) -> torch.Tensor:
-        """sent's first `size` rows [B, W], their copy from the host queued, not waited for. They stay
-        this step's until the next step's upload, which the stream orders after this step's reads."""
-        host, sent = self._views(size)
-        if self.landed is not None:
-            sent.copy_(host, non_blocking=True)
-            self.landed.record()
-        return sent
+    def wait_for_reads(self) -> None:
+        if self.read is not None:
+            self.read.synchronize()
 
-    def _views(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, size: int) -> torch.Tensor:
+        """host's first `size` rows [B, W]."""
         # made once per batch size: each slice is one more op on the engine thread, every step
-        views = self._slices.get(size)
-        if views is None:
-            views = self._slices[size] = (self.host[:size], self.sent[:size])
-        return views
+        rows = self._slices.get(size)
+        if rows is None:
+            rows = self._slices[size] = self.host[:size]
+        return rows
 
 
-@dataclass(frozen=True)
 class PendingMasks:
-    """A step's masks, filled when the sampler asks for them: the forward is queued by then, so on
-    CUDA the host fills while the device runs it."""
+    """A step's masks, filled either when the sampler asks for them (the forward is queued by then,
+    so on CUDA the host fills while the device runs it) or, handed to a FillWorker when the step is
+    scheduled, beside the engine thread's own work."""
 
-    executor: llguidance.LLExecutor
-    rows: list[tuple[int, GrammarMatcher]]  # the constrained rows: (row of the batch, its matcher)
-    size: int  # the batch's rows, constrained or not
-    buffer: MaskBuffer
+    def __init__(self, executor: llguidance.LLExecutor, rows: list[tuple[int, GrammarMatcher]], size: int,
+                 buffer: MaskBuffer, worker: FillWorker | None) -> None:
+        self.executor = executor
+        self.rows = rows  # the constrained rows: (row of the batch, its matcher)
+        self.size = size  # the batch's rows, constrained or not
+        self.buffer = buffer
+        self._error: BaseException | None = None
+        self._filled = None if worker is None else worker.submit(self._fill)
 
     def result(self) -> TokenMask:
-        """The masks on the device: the upload is queued, not waited for. A matcher broken by its last
-        token, or by this fill, raises GrammarError: the step's chunks then retry alone, so only its
+        """The filled masks. They hold until the next step's fill. A matcher broken by its last token,
+        or by this fill, raises GrammarError: the step's chunks then retry alone, so only its
         sequence fails."""
-        bits = self.buffer.writable(self.size)  # [B, W]
-        if len(self.rows) < self.size:  # a row without a grammar allows every token
-            bits.fill_(-1)
-        self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in self.rows], bits.data_ptr(),
-                                              self.buffer.width * 4, self.size)
+        if self._filled is None:
+            self._fill()
+        else:
+            self._filled.acquire()
+        if self._error is not None:
+            raise self._error
         for _, grammar in self.rows:
             grammar.check()
-        return TokenMask(self.buffer.upload(self.size))
+        return TokenMask(self.buffer.rows(self.size), self.buffer.read)
+
+    def _fill(self) -> None:
+        try:
+            bits = self.buffer.writable(self.size)  # [B, W]
+            if len(self.rows) < self.size:  # a row without a grammar allows every token
+                bits.fill_(-1)
+            self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in self.rows], bits.data_ptr(),
+                                                  self.buffer.width * 4, self.size)
+        except BaseException as exc:  # raised on the engine thread, by result()
+            self._error = exc
+
+
+class FillWorker:
+    """A thread that fills masks while the engine thread schedules, launches the forward and builds
+    the sampler's batch. llguidance's fill runs off the GIL; what the worker needs the GIL for (taking a
+    job, handing it back) it gets within the switch interval, which the worker sets to SWITCH_INTERVAL:
+    at Python's default 5 ms a thread waiting for the GIL beside a busy engine thread waits until that
+    thread blocks, which it does only when it waits for this fill. Jobs run in order, one at a time."""
+
+    SWITCH_INTERVAL = 50e-6
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        sys.setswitchinterval(self.SWITCH_INTERVAL)
+        threading.Thread(target=self._serve, name="grammar-masks", daemon=True).start()
+
+    def submit(self, fill: Callable[[], None]):
+        """Queue fill; returns a held lock, released once it ran."""
+        done = _thread.allocate_lock()
+        done.acquire()
+        self._jobs.put((fill, done))
+        return done
+
+    def _serve(self) -> None:
+        while True:
+            fill, done = self._jobs.get()
+            fill()  # reports its own errors
+            done.release()
 
 
 class MaskFiller:
-    """Fills each step's masks from the engine thread, after the forward is queued: llguidance computes
-    the constrained rows on its own threads (a lone row on the calling thread), off the GIL, into
-    one MaskBuffer kept for the engine's life (grown with its largest batch).
+    """Fills each step's masks into one MaskBuffer kept for the engine's life (grown with its largest
+    batch): llguidance computes the constrained rows on its own threads (a lone row on the calling
+    thread), off the GIL. A step with fewer than ahead_from_rows constrained rows fills on the engine
+    thread when the sampler asks, once the forward is queued; one with more hands its fill to the
+    FillWorker as it is scheduled, and the sampler waits for it as late as it can (sampler.sample).
 
-    Why not on a worker thread beside the forward: its hand-off (a wake-up there, the GIL, a wake-up
-    back) cost the engine thread more than the fill it hid. On a 2-core host, one row of the default
-    model's 8k vocabulary took 40 us from start to masks through a worker, 7 us here; 32 rows under a
-    simulated host-bound forward cost the engine thread no less through the worker than here. On the
-    H100 neither is clearly ahead (constrained/unconstrained TPOT 1.19-1.29 here, 1.12-1.28 through
-    the worker, in one call: README, Structured outputs). Nor did a worker started earlier, as soon
-    as a step's tokens had advanced the matchers, so that its fill ran beside the outputs, the
-    scheduling and the next launch: on the H200 (default model, bench/structured_mask.py, old and new
-    twice in one call) it measured 1.42-1.44 at batch 1 against 1.22-1.29 here, 1.30-1.41 against
-    1.33-1.37 at 32: the two threads' hand-offs of the GIL cost the engine thread more than the fill.
-    (llguidance's consume_token_par, tried for the advances there, took 226 us at 32 rows against
-    about 140 one by one.)"""
+    Why the split. A worker's hand-offs (a wake-up there, the GIL, a wake-up back) cost the engine
+    thread more than a fill of a row or two: a lone row of the default model's 8k vocabulary takes
+    llguidance ~1-7 us, and in a timing probe of the engine's steps (H100, timers around each part,
+    not kept; the two ways in alternating rounds) one constrained sequence measured 1.36x
+    unconstrained through the worker against 1.25x inline. 32 rows take ~200-480 us, which the
+    engine thread then no longer waits for in series: 1.30x against 1.48x at 32 sequences, 1.28x
+    against 1.32x at 8. (An earlier worker, at Python's default switch interval, measured no better
+    than inline: it could only take the GIL when the engine thread blocked waiting for it.)"""
+
+    ahead_from_rows = 4  # a step with this many constrained rows fills on the FillWorker
 
     def __init__(self) -> None:
         self.buffer: MaskBuffer | None = None  # made by the first constrained step
+
+    @cached_property
+    def worker(self) -> FillWorker:  # started by the first step that fills ahead
+        return FillWorker()
 
     @cached_property
     def executor(self) -> llguidance.LLExecutor:  # a thread pool: started by the first constrained step
@@ -225,10 +269,13 @@ class MaskFiller:
         if not rows:
             return None
         width = (rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
-        return PendingMasks(self.executor, rows, len(grammars), self._buffer(len(grammars), width, device))
+        worker = self.worker if len(rows) >= self.ahead_from_rows else None
+        return PendingMasks(self.executor, rows, len(grammars), self._buffer(len(grammars), width, device), worker)
 
     def _buffer(self, size: int, width: int, device: torch.device) -> MaskBuffer:
         if self.buffer is None or not self.buffer.fits(size, width, device):
+            if self.buffer is not None:  # its pinned rows go back to torch's allocator, which knows of no reader
+                self.buffer.wait_for_reads()
             # a power of two: a batch that grows step by step reallocates a few times, not every step
             self.buffer = MaskBuffer(1 << (size - 1).bit_length(), width, device)
         return self.buffer

@@ -17,11 +17,11 @@ import torch
 
 from moe_serve.engine.decode import choose_token
 from moe_serve.engine.messages import SamplingParams, TokenLogprob
-from moe_serve.engine.sampler import (SamplingBatch, SamplingRow, TokenMask, exponential_noise, noise_bits, row_noise_key,
-                                      sample)
+from moe_serve.engine.sampler import SamplingBatch, SamplingRow, exponential_noise, noise_bits, row_noise_key, sample
 from moe_serve.engine.sampling import (apply_penalties, draft_verify_honours, forbid_stop_tokens, target_distribution,
                              token_logprob)
 from moe_serve.engine.sequence import Sequence
+from tests.engine.test_token_mask import token_mask
 
 CPU = torch.device("cpu")
 VOCAB = 48
@@ -324,17 +324,6 @@ def test_draft_verify_honours_the_extras_it_applies() -> None:
     assert draft_verify_honours(SamplingParams(8, min_tokens=4), 4)
 
 
-def token_mask(allowed: dict[int, list[int]], rows: int = 4, vocab: int = VOCAB) -> TokenMask:
-    """A grammar mask: row -> its allowed token ids, every other row all ones (moe_serve/engine/structured.py
-    fills real ones)."""
-    bits = torch.full((rows, (vocab + 31) // 32), 2**32 - 1, dtype=torch.int64)
-    for row, ids in allowed.items():
-        bits[row] = 0
-        for t in ids:
-            bits[row, t // 32] |= 1 << (t % 32)
-    return TokenMask(((bits + 2**31) % 2**32 - 2**31).int())  # as int32 bits
-
-
 def test_grammar_mask_restricts_only_its_rows_and_leaves_logprobs_to_the_model() -> None:
     rng = random.Random(3)
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(3))
@@ -346,24 +335,16 @@ def test_grammar_mask_restricts_only_its_rows_and_leaves_logprobs_to_the_model()
         rows[1] = replace(rows[1], seed=seed)
         batch = SamplingBatch.build(rows, CPU)
         free_tokens, free_logprobs = sample(logits, batch).to_host()
-        tokens, logprobs = sample(logits, batch, token_mask(allowed)).to_host()
+        mask = token_mask(allowed, rows=4, vocab=VOCAB)
+        tokens, logprobs = sample(logits, batch, lambda: mask).to_host()
         assert tokens[1] in allowed[1] and tokens[2] in allowed[2]
         assert tokens[2] == max(allowed[2], key=lambda t: penalised(logits[2], rows[2])[t].item())
         assert [tokens[0], tokens[3]] == [free_tokens[0], free_tokens[3]]  # other rows: untouched
         assert [lp.top for lp in logprobs[1:3]] == [lp.top for lp in free_logprobs[1:3]]  # the model's own
     greedy = [replace(row, params=SamplingParams(max_tokens=8, temperature=0)) for row in rows]
-    fast = sample(logits.bfloat16(), SamplingBatch.build(greedy, CPU), token_mask({0: [7], 3: [9, 10]}))
+    mask = token_mask({0: [7], 3: [9, 10]}, rows=4, vocab=VOCAB)
+    fast = sample(logits.bfloat16(), SamplingBatch.build(greedy, CPU), lambda: mask)
     assert fast.tokens[0] == 7 and fast.tokens[3] in (9, 10)  # the greedy-only path applies it too
-
-
-def test_token_mask_forbids_exactly_the_unset_bits_and_leaves_free_rows_alone() -> None:
-    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))  # [B, V]
-    allowed = {0: [0, 31, 32, 47], 2: []}  # bit 31 is the int32 sign bit; the last word is cut at V
-    restricted = token_mask(allowed, rows=3).restrict(logits)
-    for row, ids in allowed.items():
-        assert restricted[row].isfinite().nonzero().flatten().tolist() == ids
-        assert torch.equal(restricted[row, ids], logits[row, ids])
-    assert torch.equal(restricted[1], logits[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

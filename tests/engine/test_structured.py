@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from moe_serve.engine.config import EngineConfig
 from moe_serve.engine.core import EngineCore, run_to_completion
 from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput
-from moe_serve.engine.sampler import TokenMask
+from moe_serve.engine.token_mask import TokenMask
 from moe_serve.engine.structured import GrammarError, Grammars, MaskFiller, grammar_text
 from tests.engine.test_batching import run_together, tokens
 from tests.server.tiny_tokenizer import build_tiny_tokenizer
@@ -101,7 +101,11 @@ def test_any_json_object(core: EngineCore, tiny_model: Path, temperature: float)
     check_valid(structured, text(tiny_model, done.token_ids))
 
 
-def test_bad_grammar_and_broken_matcher_fail_only_their_request(core: EngineCore, tiny_model: Path) -> None:
+@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
+def test_bad_grammar_and_broken_matcher_fail_only_their_request(core: EngineCore, tiny_model: Path,
+                                                                ahead_from_rows: int,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(core.runtime.batch_runner.masks, "ahead_from_rows", ahead_from_rows)
     rejected = core.add_request(constrained("bad", StructuredOutput("regex", "a(b"), 0.0))
     assert rejected is not None and rejected.finish_reason == "error" and "regex" in rejected.error
     good = constrained("good", StructuredOutput("regex", REGEX), 1.0, seed=5)
@@ -177,12 +181,32 @@ def test_a_step_without_a_grammar_skips_the_mask_path(core: EngineCore, monkeypa
         assert outs[-1].finish_reason == "length" and not any(o.error for o in outs)
 
 
-def test_each_filled_row_is_its_matchers_own_mask(tiny_model: Path) -> None:
+@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
+def test_each_filled_row_is_its_matchers_own_mask(tiny_model: Path, ahead_from_rows: int) -> None:
     grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
     matchers = [grammars.matcher(s) for s in STRUCTURED]
     matchers[0].advance(AutoTokenizer.from_pretrained(tiny_model).encode("{", add_special_tokens=False)[0])
     rows = [matchers[0], None, *matchers[1:], None]
-    assert_own_rows(MaskFiller(), rows, torch.device("cpu"))
+    filler = MaskFiller()
+    filler.ahead_from_rows = ahead_from_rows
+    assert_own_rows(filler, rows, torch.device("cpu"))
+
+
+class FailingExecutor:
+    def unsafe_compute_mask_ptr(self, *args) -> None:
+        raise RuntimeError("fill failed")
+
+
+def test_a_fill_that_fails_on_the_worker_raises_where_its_masks_are_asked_for(tiny_model: Path) -> None:
+    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+    filler = MaskFiller()
+    filler.ahead_from_rows = 1
+    filler.executor = FailingExecutor()
+    masks = filler.pending([grammars.matcher(STRUCTURED[0])], torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="fill failed"):
+        masks.result()
+    del filler.executor  # the worker goes on: the next step's fill is its own
+    assert_own_rows(filler, [grammars.matcher(STRUCTURED[1])], torch.device("cpu"))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
