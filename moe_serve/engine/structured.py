@@ -19,7 +19,6 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 
 import llguidance
@@ -262,9 +261,10 @@ class MaskFiller:
         return llguidance.LLExecutor()
 
     def pending(self, grammars: Sequence[GrammarMatcher | None], device: torch.device) -> PendingMasks | None:
-        """The masks of a step's sampling rows, to fill once its forward is queued; None (and no work)
-        when no row is constrained. Nothing runs until result(), so a step that fails before it
-        leaves the matchers as they were. The TokenMask it gives holds until the next step's fill."""
+        """The masks of a step's sampling rows, filled on the FillWorker from now or on this thread
+        by result(); None (and no work) when no row is constrained. A fill only reads the matchers,
+        so a step that fails before result() leaves them as they were. The TokenMask it gives holds
+        until the next step's fill."""
         rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
         if not rows:
             return None
