@@ -196,12 +196,8 @@ class SequenceAttention:
         softmax out in fp32.
         """
         t, nq, d = q.shape
-        if sinks is not None:
-            s = keys.shape[0]
-            # mask None: the queries are the last T of the S positions and see every key up to their
-            # own (is_causal's mask when S == T, every key for a single query)
-            allowed = mask if mask is not None else torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
-            out = sink_attention(q, keys, values, allowed, d ** -0.5 if scale is None else scale, sinks)
+        if sinks is not None:  # the forward built its masks explicit (attention_mask)
+            out = sink_attention(q, keys, values, mask, d ** -0.5 if scale is None else scale, sinks)
             return out.reshape(t, nq * d)
         nkv = keys.shape[1]
         k4, v4 = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, nkv, S, D]
@@ -307,14 +303,16 @@ def static_attention_mask(positions: torch.Tensor, span: int, window: int | None
     return allowed
 
 
-def attention_mask(start: int, length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+def attention_mask(start: int, length: int, window: int | None, device: torch.device,
+                   explicit: bool = False) -> torch.Tensor | None:
     """Bool mask [T, S] (True = attend) for queries at start..start+T-1 over keys 0..start+T-1.
 
     None when SDPA needs no mask: a single query with its whole past in the window, or a prefill
-    from position 0 that SDPA's own is_causal handles.
+    from position 0 that SDPA's own is_causal handles; always a mask when `explicit` (attention
+    with sinks, whose softmax is not SDPA's).
     """
     end = start + length
-    if window is None or window >= end:
+    if not explicit and (window is None or window >= end):
         if length == 1 or start == 0:
             return None
     q_pos = torch.arange(start, end, device=device)[:, None]  # [T, 1]
@@ -398,7 +396,9 @@ class CausalLM(nn.Module):
             raise ValueError(f"moe_top_r must be >= 1, got {moe_top_r}")
         t = input_ids.shape[0]
         cos, sin = self.rotary.cos_sin(start_pos, t, self.dtype)
-        masks = {w: attention_mask(start_pos, t, w, self.device) for w in set(self.config.attention_windows)}
+        # built once a forward for every layer (sink attention takes no is_causal: it needs them all)
+        masks = {w: attention_mask(start_pos, t, w, self.device, explicit=self.config.attention_sinks)
+                 for w in set(self.config.attention_windows)}
         step = _Step(cos, sin, SequenceAttention(kv, start_pos, masks), self.runner, moe_top_r, on_attention_output)
         logits = self._layers_and_head(input_ids, step, last_only)
         kv.length = start_pos + t

@@ -23,7 +23,8 @@ SCALE = 0.3
 
 
 def sequence_attention(kv: KVCache, start: int, n: int, window: int | None) -> SequenceAttention:
-    return SequenceAttention(kv, start, {window: attention_mask(start, n, window, torch.device("cpu"))})
+    # explicit, as CausalLM.forward builds them for a model with sinks
+    return SequenceAttention(kv, start, {window: attention_mask(start, n, window, torch.device("cpu"), explicit=True)})
 
 
 def static_sequence_attention(kv: KVCache, start: int, n: int, window: int | None) -> SequenceAttention:
