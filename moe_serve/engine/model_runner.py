@@ -3,7 +3,7 @@
 The scheduler decides which tokens of which sequences; this turns them into the forward's flat
 token ids, positions and KV slots (moe_serve/engine/kv/paged_cache.py), keeps the logits of only the
 rows that sample, and samples them all at once (moe_serve/engine/sampler.py) under the grammar masks
-that fill on the host once the forward is queued (moe_serve/engine/structured.py).
+(moe_serve/engine/structured.py), which fill on the host beside the step's own host work.
 """
 from __future__ import annotations
 
