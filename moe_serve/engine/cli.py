@@ -153,16 +153,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _load_tokenizer(tokenizer_path: str, trust_remote_code: bool):
-    from transformers import AutoTokenizer
-
-    from moe_serve.engine.gguf import is_gguf, tokenizer_source
+    from moe_serve.engine.gguf import is_gguf, load_tokenizer
     from moe_serve.engine.preflight import TOKENIZER_FILES
 
     if not is_gguf(tokenizer_path) and not any((Path(tokenizer_path) / name).is_file() for name in TOKENIZER_FILES):
         return None
     try:
-        folder, gguf = tokenizer_source(tokenizer_path)  # a GGUF's tokenizer is built here: a ValueError naming why
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **gguf)
+        return load_tokenizer(tokenizer_path, trust_remote_code)  # a GGUF's is built here: a ValueError naming why
     except (OSError, ValueError) as exc:
         sys.exit(f"moe-generate: cannot load the tokenizer in {tokenizer_path}: {exc}")
 

@@ -95,14 +95,10 @@ class Grammars:
         """tokenizer_path: the folder or GGUF file the server's tokenizer comes from (EngineConfig.tokenizer_path),
         so that a grammar's tokens are the ones the prompts were encoded with."""
 
-        def load():
-            # only an engine that meets a grammar needs transformers
-            from transformers import AutoTokenizer
+        def load():  # only an engine that meets a grammar needs transformers (a GGUF's tokenizer: converted once)
+            from moe_serve.engine.gguf import load_tokenizer
 
-            from moe_serve.engine.gguf import tokenizer_source
-
-            folder, kwargs = tokenizer_source(tokenizer_path)  # a GGUF's: converted once, then read from the cache
-            return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
+            return load_tokenizer(tokenizer_path, trust_remote_code)
 
         return cls(load, vocab_size)
 

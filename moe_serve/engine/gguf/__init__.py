@@ -26,3 +26,12 @@ def tokenizer_source(path: str | Path) -> tuple[str, dict[str, str]]:
     from moe_serve.engine.gguf.tokenizer_cache import cached_tokenizer_source
 
     return cached_tokenizer_source(Path(path))
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool):
+    """The transformers tokenizer of a checkpoint folder or GGUF file (tokenizer_source's); transformers
+    is imported here, so that code which never meets a tokenizer never pays for it."""
+    from transformers import AutoTokenizer
+
+    folder, kwargs = tokenizer_source(path)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
