@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
+from transformers import AutoTokenizer
 
-from moe_serve.engine.gguf import load_tokenizer
+from moe_serve.engine.gguf import tokenizer_source
 from moe_serve.server.errors import bad_request
 
 # Used when the checkpoint's tokenizer_config.json has no chat_template: one turn per message,
@@ -25,7 +26,8 @@ class Tokenizer:
         """tokenizer_dir: where the tokenizer files are when not in model_dir (--tokenizer); either may
         be a GGUF file, whose metadata holds its tokenizer (converted once, then read from the cache:
         gguf/tokenizer_cache.py); chat_template: template text replacing the checkpoint's (--chat-template)."""
-        self.hf = load_tokenizer(tokenizer_dir or model_dir, trust_remote_code)
+        folder, kwargs = tokenizer_source(tokenizer_dir or model_dir)
+        self.hf = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code, **kwargs)
         if chat_template is not None:
             self.hf.chat_template = chat_template
         self.eos_token_ids = _eos_token_ids(self.hf, Path(model_dir))
