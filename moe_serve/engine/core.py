@@ -98,7 +98,8 @@ class EngineCore:
         elapsed = time.perf_counter() - started
         produced = [len(seq.output_ids) - before[id(seq)] for seq in decoding]
         for count in produced:  # a prefill's token counts for TTFT, not TPOT
-            self.tpot_samples.extend([elapsed / count] * count)
+            # (none: a grammar completed a step earlier, structured.GrammarMatcher)
+            self.tpot_samples.extend([elapsed / count] * count if count else ())
         self.spec_switch.record(len(decoding) if could and not riders else None, speculate, elapsed, sum(produced))
         return outputs
 

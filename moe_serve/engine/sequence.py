@@ -91,6 +91,12 @@ class Sequence:
         if self.params.max_tokens == 0:  # an echo of the prompt alone: the prefill was for its logprobs
             self.finish_reason = "length"
             return True
+        grammar, position = self.grammar, len(self.output_ids)
+        if grammar is not None and grammar.complete_within(position):
+            # complete at the last token, which the batched runner's grammar worker consumed after
+            # this token was sampled (the mask allowed only EOS): the sequence ends as it would have there
+            self.finish_reason = "stop"
+            return True
         self.output_ids.append(token)
         self.output_counts[token] += 1
         if logprob is not None:
@@ -99,8 +105,10 @@ class Sequence:
             self.first_token_time = time.perf_counter()
         if token in self.params.stop_token_ids:
             self.finish_reason = "stop"
-        elif self.grammar is not None and self.grammar.advance(token):
-            self.finish_reason = "stop"  # the structured output is complete
+        elif grammar is not None and grammar.queued <= position and grammar.advance(token):
+            self.finish_reason = "stop"  # the structured output is complete (a token no worker consumes)
         elif self.remaining <= 0 or self.num_tokens >= max_model_len:
-            self.finish_reason = "length"
+            if grammar is not None:  # complete at this very token: that ending is "stop"
+                grammar.settle()
+            self.finish_reason = "stop" if grammar is not None and grammar.complete_within(position + 1) else "length"
         return self.finish_reason is not None

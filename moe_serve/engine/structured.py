@@ -9,7 +9,9 @@ valid ones; a failure that still happens here fails its own sequence, never its 
 
 A row's mask allows the tokens that keep the text a prefix of the language; once the text is a
 complete sentence llguidance also allows the tokenizer's EOS, and once nothing can follow, only
-EOS: the sequence then finishes at once ("stop"), without spending a step on the EOS.
+EOS: the sequence then finishes ("stop") at the token that completed it, the EOS never emitted.
+(With 4 or more constrained rows a step's tokens are consumed on a worker thread while the engine
+goes on, and the engine learns of the completion one step later: that step's token is dropped.)
 """
 from __future__ import annotations
 
@@ -63,21 +65,51 @@ def _choice_lark(spec: str) -> str:
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar (MaskFiller reads its mask), advanced by each sampled token."""
+    """One sequence's position in its grammar (MaskFiller reads its mask), advanced by each sampled token.
+
+    The batched runner hands a step's tokens to MaskFiller.follow, whose job on the FillWorker
+    consumes them and fills the next step's masks off the engine thread. So the engine learns that a
+    grammar completed one step late: Sequence.append then drops the token sampled after it (the mask
+    allowed only EOS) and finishes the sequence as it would have at the completing token."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size  # the tokenizer's: the width of this matcher's mask
+        self.queued = 0  # tokens handed to llguidance, consumed or on their way (engine thread)
+        self.consumed = 0  # tokens llguidance consumed (written by whichever thread consumes them)
+        self.complete_at: int | None = None  # `consumed` when nothing but EOS could follow any more
+        self.job: PendingMasks | None = None  # the follow job consuming this matcher's last queued token
+        self.failure: BaseException | None = None  # a follow job's consume that raised
 
     def advance(self, token: int) -> bool:
-        """Consume a sampled token; True once the grammar is complete (nothing but EOS may follow).
+        """Consume a sampled token now; True once the grammar is complete (nothing but EOS may follow).
 
         A token the grammar refuses (only possible if the mask was bypassed) puts the matcher in
         its error state, which the sequence's next fill reports."""
-        # consume_token is False for a refused token (the matcher is then in its error state)
-        return self.matcher.consume_token(token) and self.matcher.is_stopped()
+        self.settle()
+        self.queued += 1
+        self.consumed_one(self.matcher.consume_token(token))
+        return self.complete_at is not None
+
+    def consumed_one(self, accepted: bool) -> None:
+        """Count a token llguidance consumed (accepted: not refused), noting when the grammar completed."""
+        self.consumed += 1
+        if accepted and self.complete_at is None and self.matcher.is_stopped():
+            self.complete_at = self.consumed
+
+    def settle(self) -> None:
+        """Wait until every queued token is consumed."""
+        if self.job is not None:
+            self.job.wait_advanced()
+            self.job = None
+
+    def complete_within(self, tokens: int) -> bool:
+        """Whether the grammar was complete after the first `tokens` output tokens (those must be consumed)."""
+        return self.complete_at is not None and self.complete_at <= tokens
 
     def check(self) -> None:
+        if self.failure is not None:
+            raise GrammarError(f"constrained decoding failed: {self.failure}")
         if self.matcher.is_error():
             raise GrammarError(f"constrained decoding failed: {self.matcher.get_error()}")
 
@@ -162,17 +194,31 @@ class MaskBuffer:
 
 class PendingMasks:
     """A step's masks, filled either when the sampler asks for them (the forward is queued by then,
-    so on CUDA the host fills while the device runs it) or, handed to a FillWorker when the step is
-    scheduled, beside the engine thread's own work."""
+    so on CUDA the host fills while the device runs it) or on the FillWorker: handed to it when the
+    step is scheduled, or, as a follow job (MaskFiller.follow), as soon as the step before read its
+    tokens back, which the job first consumes."""
 
     def __init__(self, executor: llguidance.LLExecutor, rows: list[tuple[int, GrammarMatcher]], size: int,
-                 buffer: MaskBuffer, worker: FillWorker | None) -> None:
+                 buffer: MaskBuffer, worker: FillWorker | None, tokens: list[int] | None = None) -> None:
         self.executor = executor
         self.rows = rows  # the constrained rows: (row of the batch, its matcher)
         self.size = size  # the batch's rows, constrained or not
         self.buffer = buffer
+        self.tokens = tokens  # a follow job's: each row's last sampled token, consumed before the fill
         self._error: BaseException | None = None
+        self._advanced: _thread.LockType | None = None
+        if tokens is not None:  # a follow job: always on the worker
+            self._advanced = _thread.allocate_lock()  # released once the tokens are consumed
+            self._advanced.acquire()
+            for _, grammar in rows:
+                grammar.queued += 1
+                grammar.job = self
         self._filled = None if worker is None else worker.submit(self._fill)
+
+    def serves(self, rows: list[tuple[int, GrammarMatcher]], size: int, buffer: MaskBuffer) -> bool:
+        """Whether these are a step's masks: the same matchers in the same rows of a batch as large."""
+        return (size == self.size and buffer is self.buffer and len(rows) == len(self.rows)
+                and all(i == j and g is h for (i, g), (j, h) in zip(rows, self.rows)))
 
     def result(self) -> TokenMask:
         """The filled masks. They hold until the next step's fill. A matcher broken by its last token,
@@ -181,15 +227,35 @@ class PendingMasks:
         if self._filled is None:
             self._fill()
         else:
-            self._filled.acquire()
+            self.wait()
         if self._error is not None:
             raise self._error
         for _, grammar in self.rows:
             grammar.check()
         return TokenMask(self.buffer.rows(self.size), self.buffer.read)
 
+    def wait(self) -> None:
+        """Until the worker ran this job (at once for an inline one, which fills in result())."""
+        if self._filled is not None:
+            self._filled.acquire()  # a lock released when done: taken and given back, any number of waiters pass
+            self._filled.release()
+
+    def wait_advanced(self) -> None:
+        if self._advanced is not None:
+            self._advanced.acquire()
+            self._advanced.release()
+
     def _fill(self) -> None:
         try:
+            if self._advanced is not None:
+                try:
+                    self._consume()
+                except BaseException as exc:  # tokens maybe not consumed: each sequence fails at its next mask
+                    for _, grammar in self.rows:
+                        grammar.failure = exc
+                    raise
+                finally:
+                    self._advanced.release()
             bits = self.buffer.writable(self.size)  # [B, W]
             if len(self.rows) < self.size:  # a row without a grammar allows every token
                 bits.fill_(-1)
@@ -197,6 +263,12 @@ class PendingMasks:
                                                   self.buffer.width * 4, self.size)
         except BaseException as exc:  # raised on the engine thread, by result()
             self._error = exc
+
+    def _consume(self) -> None:
+        """Each row's token, in one llguidance call off the GIL."""
+        accepted = self.executor.consume_token_par([(g.matcher, t) for (_, g), t in zip(self.rows, self.tokens)])
+        for (_, grammar), ok in zip(self.rows, accepted):
+            grammar.consumed_one(ok)
 
 
 class FillWorker:
@@ -233,6 +305,8 @@ class MaskFiller:
     thread), off the GIL. A step with fewer than ahead_from_rows constrained rows fills on the engine
     thread when the sampler asks, once the forward is queued; one with more hands its fill to the
     FillWorker as it is scheduled, and the sampler waits for it as late as it can (sampler.sample).
+    Such a step's tokens go back to the worker at once (follow), which consumes them and fills the next
+    step's masks before that step is even scheduled.
 
     Why the split. A worker's hand-offs (a wake-up there, the GIL, a wake-up back) cost the engine
     thread more than a fill of a row or two: a lone row of the default model's 8k vocabulary takes
@@ -247,6 +321,8 @@ class MaskFiller:
 
     def __init__(self) -> None:
         self.buffer: MaskBuffer | None = None  # made by the first constrained step
+        self._follow: PendingMasks | None = None  # the next step's masks if its rows are the last step's
+        self._latest: PendingMasks | None = None  # the last job handed to the worker
 
     @cached_property
     def worker(self) -> FillWorker:  # started by the first step that fills ahead
@@ -262,11 +338,33 @@ class MaskFiller:
         so a step that fails before result() leaves them as they were. The TokenMask it gives holds
         until the next step's fill."""
         rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
+        follow, self._follow = self._follow, None
         if not rows:
             return None
         width = (rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
+        buffer = self._buffer(len(grammars), width, device)
+        if follow is not None and follow.serves(rows, len(grammars), buffer):
+            return follow
         worker = self.worker if len(rows) >= self.ahead_from_rows else None
-        return PendingMasks(self.executor, rows, len(grammars), self._buffer(len(grammars), width, device), worker)
+        if worker is None and self._latest is not None:  # an inline fill reads matchers and writes rows
+            self._latest.wait()  # that the worker's last job may still be at
+        masks = PendingMasks(self.executor, rows, len(grammars), buffer, worker)
+        if worker is not None:
+            self._latest = masks
+        return masks
+
+    def follow(self, masks: PendingMasks, tokens: Sequence[int]) -> None:
+        """A step's sampled tokens [B] are back: the worker consumes each constrained row's token, then
+        fills the masks of a next step with the same rows, which pending() hands out if it has them
+        (a batch changes when a sequence joins or leaves; else the worker's fill is simply redone).
+        The engine thread goes on meanwhile: its outputs, the next step's scheduling and forward.
+        Below ahead_from_rows rows the hand-offs cost more (H100: one sequence at 1.23-1.37x
+        unconstrained through the worker, 1.24-1.27x consuming on the engine thread): Sequence.append
+        consumes those tokens."""
+        if len(masks.rows) < self.ahead_from_rows:
+            return
+        self._follow = self._latest = PendingMasks(self.executor, masks.rows, masks.size, masks.buffer, self.worker,
+                                                   [tokens[i] for i, _ in masks.rows])
 
     def _buffer(self, size: int, width: int, device: torch.device) -> MaskBuffer:
         if self.buffer is None or not self.buffer.fits(size, width, device):

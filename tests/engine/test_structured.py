@@ -189,7 +189,7 @@ def test_each_filled_row_is_its_matchers_own_mask(tiny_model: Path, ahead_from_r
     rows = [matchers[0], None, *matchers[1:], None]
     filler = MaskFiller()
     filler.ahead_from_rows = ahead_from_rows
-    assert_own_rows(filler, rows, torch.device("cpu"))
+    assert_own_rows(filler.pending(rows, torch.device("cpu")), rows)
 
 
 class FailingExecutor:
@@ -206,7 +206,8 @@ def test_a_fill_that_fails_on_the_worker_raises_where_its_masks_are_asked_for(ti
     with pytest.raises(RuntimeError, match="fill failed"):
         masks.result()
     del filler.executor  # the worker goes on: the next step's fill is its own
-    assert_own_rows(filler, [grammars.matcher(STRUCTURED[1])], torch.device("cpu"))
+    rows = [grammars.matcher(STRUCTURED[1])]
+    assert_own_rows(filler.pending(rows, torch.device("cpu")), rows)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -217,11 +218,71 @@ def test_the_kept_buffer_leaves_no_row_of_an_earlier_step(tiny_model: Path, devi
     filler = MaskFiller()
     # every row constrained (no row set to ones first); then rows whose grammar left; then a larger batch
     for rows in (matchers[:3], [None, matchers[3], None], [*matchers[:4], None, *matchers[4:]]):
-        assert_own_rows(filler, rows, torch.device(device))
+        assert_own_rows(filler.pending(rows, torch.device(device)), rows)
 
 
-def assert_own_rows(filler: MaskFiller, rows: list, device: torch.device) -> None:
-    masks = filler.pending(rows, device)
+def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(tiny_model: Path) -> None:
+    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+    matchers = [grammars.matcher(s) for s in STRUCTURED]
+    rows, cpu = [matchers[0], None, *matchers[1:]], torch.device("cpu")
+    filler = MaskFiller()
+    masks = filler.pending(rows, cpu)
+    assert masks is not None
+    bits = masks.result().bits
+    # the last allowed token of each row (the unconstrained row's: any)
+    tokens = [int(torch.signbit(row.unsqueeze(-1) << torch.arange(31, -1, -1, dtype=torch.int32)).flatten()
+                  .nonzero().max()) for row in bits]
+    filler.follow(masks, tokens)
+    following = filler.pending(rows, cpu)  # the same rows: the worker's fill, after it consumed the tokens
+    assert following is not None and following.tokens == [tokens[i] for i, _ in masks.rows]
+    assert_own_rows(following, rows)
+    assert [(g.queued, g.consumed) for g in matchers] == [(1, 1)] * len(matchers)
+    filler.follow(following, [5] * len(rows))  # refused by some grammars: their next fill reports it
+    reordered = [rows[2], rows[0], None, rows[3]]  # a changed batch: filled again, after the worker consumed
+    with pytest.raises(GrammarError, match="constrained decoding failed"):
+        filler.pending(reordered, cpu).result()
+    assert [g.consumed for g in matchers] == [2] * len(matchers)
+
+
+class FailingConsume:
+    def consume_token_par(self, *args) -> None:
+        raise RuntimeError("consume failed")
+
+
+def test_a_consume_that_fails_on_the_worker_fails_each_of_its_sequences(tiny_model: Path) -> None:
+    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+    matchers = [grammars.matcher(s) for s in STRUCTURED]
+    filler = MaskFiller()
+    masks = filler.pending(matchers, torch.device("cpu"))
+    masks.result()
+    filler.executor = FailingConsume()
+    filler.follow(masks, [5] * len(matchers))
+    with pytest.raises(RuntimeError, match="consume failed"):  # the follow job's masks: the step retries alone
+        filler.pending(matchers, torch.device("cpu")).result()
+    del filler.executor  # llguidance's again
+    for matcher in matchers:  # where each sequence fails, its tokens maybe not consumed
+        with pytest.raises(GrammarError, match="consume failed"):
+            filler.pending([matcher], torch.device("cpu")).result()
+
+
+@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
+def test_a_grammar_completed_by_the_last_allowed_token_ends_as_stop(core: EngineCore, ahead_from_rows: int,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the worker, the engine learns of the completion a step late (and drops that step's token)."""
+    monkeypatch.setattr(core.runtime.batch_runner.masks, "ahead_from_rows", ahead_from_rows)
+    choice = StructuredOutput("choice", json.dumps(CHOICES))
+    whole = run_to_completion(core, constrained("whole", choice, 0.0))
+    # no stop token: the grammar alone ends it, one step after it completes, without that step's token
+    params = SamplingParams(max_tokens=80, temperature=0.0, structured=choice)
+    alone = run_to_completion(core, GenerateRequest("alone", (1, 40, 41, 42, 2), params))
+    assert (alone.token_ids, alone.finish_reason) == (whole.token_ids, "stop")
+    exact = run_to_completion(core, constrained("exact", choice, 0.0, max_tokens=len(whole.token_ids)))
+    assert (exact.token_ids, exact.finish_reason) == (whole.token_ids, "stop")
+    short = run_to_completion(core, constrained("short", choice, 0.0, max_tokens=len(whole.token_ids) - 1))
+    assert (short.token_ids, short.finish_reason) == (whole.token_ids[:-1], "length")
+
+
+def assert_own_rows(masks, rows: list) -> None:
     assert masks is not None
     bits = masks.result().bits.cpu()  # [B, W]
     assert bits.shape[0] == len(rows)
