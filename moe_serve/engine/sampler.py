@@ -41,6 +41,7 @@ from typing import TypeVar
 import torch
 
 from moe_serve.engine.messages import SamplingParams, TokenLogprob
+from moe_serve.engine.race import race_tokens
 from moe_serve.engine.token_mask import TokenMask
 
 _TINY = torch.finfo(torch.float32).tiny  # the smallest temperature kept (see sampling.target_distribution)
@@ -90,6 +91,11 @@ class SamplingBatch:
     def adjusts_logits(self) -> bool:
         """Whether some row's logits change before temperature (biases, min_tokens, penalties)."""
         return self.output_ids is not None or self.bias_ids is not None or self.seen_ids is not None
+
+    @property
+    def truncates(self) -> bool:
+        """Whether some sampled row cuts its distribution (top-k, top-p, min-p): race.py draws only without."""
+        return self.any_top_k or self.any_top_p or self.log_min_p is not None
 
     @property
     def size(self) -> int:
@@ -188,11 +194,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     a fill on another thread (structured.FillWorker) runs beside those launches."""
     top = batch.max_logprobs
     if not batch.adjusts_logits and batch.num_sampled == 0 and top is None:
-        candidates = logits if allowed is None else allowed().restrict(logits)
-        return SampledTokens(candidates.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax
+        if allowed is None:
+            return SampledTokens(logits.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax
+        tokens = race_tokens(logits, allowed()) if logits.is_cuda else allowed().restrict(logits).argmax(-1)
+        return SampledTokens(tokens, None, None, None, batch.logprobs)
     logits = _adjusted(logits.float(), batch)  # [B, V]
-    noise = exponential_noise(batch.noise_key, logits.shape[-1]) if batch.num_sampled else None  # [S, V]
     logp = None if top is None else torch.log_softmax(logits, dim=-1)  # [B, V]
+    if logits.is_cuda and batch.num_sampled == batch.size and not batch.truncates:  # one kernel
+        tokens = race_tokens(logits, None if allowed is None else allowed(), batch.temperature, batch.noise_key)
+        return _with_logprobs(tokens, logp, batch)
+    noise = exponential_noise(batch.noise_key, logits.shape[-1]) if batch.num_sampled else None  # [S, V]
     candidates = logits if allowed is None else allowed().restrict(logits)  # [B, V]
     if batch.num_sampled == batch.size:
         tokens = _draw(candidates, batch, noise)  # [B]
@@ -201,10 +212,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         if batch.num_sampled:
             tokens.index_copy_(0, batch.sampled_rows,
                                _draw(candidates.index_select(0, batch.sampled_rows), batch, noise))
+    return _with_logprobs(tokens, logp, batch)
+
+
+def _with_logprobs(tokens: torch.Tensor, logp: torch.Tensor | None, batch: SamplingBatch) -> SampledTokens:
+    """The chosen tokens [B] with their logprobs and the top alternatives, read off logp [B, V]."""
     if logp is None:
         return SampledTokens(tokens, None, None, None, batch.logprobs)
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
-    top_logprobs, top_ids = ranked_top_logprobs(logp, top)  # [B, N]
+    top_logprobs, top_ids = ranked_top_logprobs(logp, batch.max_logprobs)  # [B, N]
     return SampledTokens(tokens, chosen, top_ids, top_logprobs, batch.logprobs)
 
 

@@ -57,9 +57,14 @@ class TokenMask:
         grid = (rows, triton.cdiv(words, _WORDS_PER_PROGRAM))
         _restrict_kernel[grid](logits, self.bits, restricted, vocab_size, words, logits.stride(0),
                                WORDS=_WORDS_PER_PROGRAM)
+        self.record_read()
+        return restricted
+
+    def record_read(self) -> None:
+        """After the launch of a kernel that reads bits (this one, race.py's): their buffer is written
+        again only once it ran."""
         if self.read is not None:
             self.read.record()
-        return restricted
 
 
 @cache
