@@ -9,7 +9,9 @@ and top-p and draws; logprobs are read off the penalised logits before temperatu
 sampled rows, with and without logprobs, penalties or extras, mix freely in one batch, `sample`
 has no Python loop over rows, and a batch whose rows use none of the extras runs none of their
 tensor work. Rows under a grammar (moe_serve/engine/structured.py) choose among the tokens its mask
-allows, in one pass over the batch (TokenMask); their logprobs stay the model's.
+allows, in one pass over the batch (TokenMask); their logprobs stay the model's. On CUDA a batch of
+greedy rows under masks, or of sampled rows none of which truncates (top-k, top-p, min-p), draws in
+one kernel (moe_serve/engine/race.py), the mask read inside it.
 
 Why the draw is counter-based. Under continuous batching a request meets different neighbours
 at every step, and may run alone, batched, on the CPU or on CUDA; its seed must still give the

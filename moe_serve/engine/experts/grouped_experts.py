@@ -23,12 +23,18 @@ Weight tiles are loaded through the layout's format (formats/*.py `triton_load`,
 argument): quantized slots are read as stored and decoded in registers into x's dtype before
 tl.dot, as the torch path decodes them; the plain format's load is the bare tile load. A format with
 tile codes (formats/base.py `triton_codes_for`: int4-zp) hands tl.dot whole-number codes instead, and
-each tile's zero points and scales are applied to its fp32 products. (int4 tried
-its fused-kernel trick here too, 32-bit words decoded a nibble at a time and one K = 16 dot per
-nibble, no weight put back into order, the scale applied to each group's sum: on an H200 the
-Mixtral-size 32-token call took 0.75 ms (0.64 at its best tiles), where the tile load takes 0.59
-(bench/quant_experts.py, two calls of the same day; OLMoE-size 0.162 against 0.170), so it was
-left out.)
+each tile's zero points and scales are applied to its fp32 products.
+
+int4 experts with bf16 or fp16 activations and H and I multiples of 128 run grouped_int4.py's pair of
+kernels in place of 1 and 2 (`kernels_for`; same launches, tiles and partial sums): the weights
+are tl.dot's first operand, the codes n - 8 of one group of 128 per dot and its scale applied to
+the dot's fp32 product. On an H100, a Mixtral-size layer call (H 4096, I 14336, 8 experts, top-2)
+in a CUDA graph took 0.432, 0.483, 0.485 and 0.693 ms at 8, 16, 32 and 64 tokens: 1.14-1.17x faster
+than these kernels' int4 tile load (~0.57 ms at 32 tokens), ~1.9x faster than bf16 experts at 8-32
+tokens (0.92 ms at 32). Those figures are an experiment's (torch 2.11, Triton 3.6);
+bench/quant_experts.py, whose int4 rows now take these kernels, is the bench to rerun for them.
+(int4 once tried its fused-kernel trick here, 32-bit words decoded a nibble at a time, one K = 16
+dot per nibble: slower than the tile load on an H200, 0.75 ms against 0.59 at 32 tokens.)
 
 Shapes depend only on (T, k, S, H, I), so CUDA graphs capture it. H, I and k are compile-time
 constants, like fused_experts.py (one compile per model shape; the align kernel, which only
@@ -36,7 +42,9 @@ graphs use, also once per power of two of T*k). The torch path in compute.py sta
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -57,7 +65,8 @@ CODE_DTYPES = (torch.bfloat16, torch.float16)  # activations a format's codes ca
 
 @dataclass(frozen=True)
 class GroupedConfig:
-    """Tile sizes. block_m pairs share one read of a weight tile; the rest as in a GEMM."""
+    """Tile sizes. block_m pairs share one read of a weight tile; the rest as in a GEMM (grouped_int4.py's
+    kernels take the same: rows of a matrix per program, and elements of K per loop step)."""
     block_m: int = 16  # pairs per block (the tl.dot M); decode routes few tokens per expert
     gate_up_block_i: int = 64  # rows of I per gate/up program (a gate and an up tile each)
     gate_up_block_h: int = 128  # elements of H per loop step
@@ -175,16 +184,37 @@ def down_chunks(pairs: int, hidden: int, intermediate: int, cfg: GroupedConfig) 
     return cfg.down_splits or down_splits(fewest_blocks * h_tiles, intermediate, cfg.down_block_i)
 
 
+@dataclass(frozen=True)
+class GroupedKernels:
+    """A gate/up and a down kernel that take the same arguments (the block layout's, the tiles', the
+    activation's), but for each matrix's `operands(layout, slots, matrix, block_k, dtype)`: matrix_operands
+    and what the kernel's decode needs, for loop steps of block_k and activations of dtype; and the tiles
+    they run under by default."""
+    gate_up: Any  # @triton.jit
+    down: Any
+    operands: Callable[[ExpertLayout, torch.Tensor, str, int, torch.dtype], dict]
+    config: GroupedConfig
+
+
+def kernels_for(x: torch.Tensor, layout: ExpertLayout) -> GroupedKernels:
+    """grouped_int4.py's kernels where they take the layout's experts for x (int4, 16-bit activations,
+    dims of whole groups: grouped_int4.takes); this module's decoded tiles (or codes) otherwise."""
+    from moe_serve.engine.experts import grouped_int4  # it builds on this module: imported here, not at the top
+
+    return grouped_int4.KERNELS if grouped_int4.takes(x, layout) else TILE_KERNELS
+
+
 def grouped_experts(
     x: torch.Tensor, expert_weights: torch.Tensor, slots: torch.Tensor, slot_ids: torch.Tensor,
     layout: ExpertLayout, config: GroupedConfig | None = None, routed_experts: int | None = None,
 ) -> torch.Tensor:
     """Same contract as compute.gathered_experts: x [T, H]; expert_weights/slot_ids [T, k];
     slots [S, numel] packed rows; routed_experts as in block_layout. Returns sum_j weight_j *
-    expert_j(x) as [T, H] in x's dtype."""
+    expert_j(x) as [T, H] in x's dtype. Runs kernels_for(x, layout), under config's tiles or theirs."""
+    kernels = kernels_for(x, layout)
     t, k = slot_ids.shape
     h, i = layout.hidden_size, layout.intermediate_size
-    cfg = fit_config(config or GroupedConfig(), h, i, layout.dtype)
+    cfg = fit_config(config or kernels.config, h, i, layout.dtype)
     if t * k == 0:  # every expert of every token left to the CPU
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     x = x.contiguous()
@@ -197,14 +227,14 @@ def grouped_experts(
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)  # [T, H]
     pairs = {"order_ptr": blocks.order, "block_slot_ptr": blocks.block_slot, "block_first_ptr": blocks.block_first,
              "block_rows_ptr": blocks.block_rows, "num_blocks_ptr": blocks.num_blocks}
-    _gate_up_kernel[(grid_blocks, triton.cdiv(i, cfg.gate_up_block_i))](
-        x_ptr=x, **_with_codes(layout, slots, "gate_up", h, cfg.gate_up_block_h, x.dtype), **pairs, act_ptr=act,
+    kernels.gate_up[(grid_blocks, triton.cdiv(i, cfg.gate_up_block_i))](
+        x_ptr=x, **kernels.operands(layout, slots, "gate_up", cfg.gate_up_block_h, x.dtype), **pairs, act_ptr=act,
         H=h, I=i, K=k,
         BLOCK_M=cfg.block_m, BLOCK_I=cfg.gate_up_block_i, BLOCK_H=cfg.gate_up_block_h,
         **layout.activation.kernel_args, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
     )
-    _down_kernel[(grid_blocks, h_tiles, splits)](
-        act_ptr=act, **_with_codes(layout, slots, "down", i, cfg.down_block_i, act.dtype),
+    kernels.down[(grid_blocks, h_tiles, splits)](
+        act_ptr=act, **kernels.operands(layout, slots, "down", cfg.down_block_i, act.dtype),
         weights_ptr=expert_weights.reshape(-1).contiguous(),
         **pairs, y_ptr=y, pair_count=t * k, i_chunk=chunk_length(i, cfg.down_block_i, splits), H=h, I=i,
         BLOCK_M=cfg.block_m, BLOCK_H=cfg.down_block_h, BLOCK_I=cfg.down_block_i, num_warps=cfg.down_warps,
@@ -214,12 +244,12 @@ def grouped_experts(
     return out
 
 
-def _with_codes(layout: ExpertLayout, slots: torch.Tensor, matrix: str, k: int, block_k: int,
-                dtype: torch.dtype) -> dict:
+def _with_codes(layout: ExpertLayout, slots: torch.Tensor, matrix: str, block_k: int, dtype: torch.dtype) -> dict:
     """matrix_operands plus the format's tile codes where it has them for these tiles and activations
     (formats/base.py triton_codes_for; a constexpr function argument cannot be None)."""
     operands = matrix_operands(layout, slots, matrix)
-    codes = layout.format_of(matrix).triton_codes_for(k, block_k) if dtype in CODE_DTYPES else None
+    fmt = layout.format_of(matrix)
+    codes = fmt.triton_codes_for(layout.shape(matrix)[1], block_k) if dtype in CODE_DTYPES else None
     return {**operands, "CODES": operands["LOAD"] if codes is None else codes, "USE_CODES": codes is not None}
 
 
@@ -257,14 +287,41 @@ if triton is not None:
         tl.store(num_blocks_ptr, tl.sum(starts_block.to(tl.int32), 0))
 
     @triton.jit
-    def _block_pairs(block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, BLOCK_M: tl.constexpr):
-        """The block's slot and its BLOCK_M pair indices (token * K + j), with a mask for the padding."""
+    def block_pairs(block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, w_ptr, s_ptr, row_stride,
+                    scale_stride, DATA: tl.constexpr, SCALES: tl.constexpr, BLOCK_M: tl.constexpr):
+        """The block's slot, its BLOCK_M pair indices (token * K + j) with a mask for the padding, and where
+        the slot's matrix (DATA elements into its row) and the matrix's scales start."""
         first = tl.load(block_first_ptr + block)
         m = tl.arange(0, BLOCK_M)
         pair_ok = m < tl.load(block_rows_ptr + block)
         pairs = tl.load(order_ptr + first + m, mask=pair_ok, other=0)
         slot = tl.load(block_slot_ptr + block).to(tl.int64)  # int64: slot * row_stride passes 2**31 on big caches
-        return slot, pairs, pair_ok
+        return slot, pairs, pair_ok, w_ptr + slot * row_stride + DATA, s_ptr + slot * scale_stride + SCALES
+
+    @triton.jit
+    def store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs, pair_ok, rows, row_ok, I: tl.constexpr,
+                  BIAS: tl.constexpr, BIASES: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA: tl.constexpr,
+                  LIMIT: tl.constexpr):
+        """act [P, I] (its dtype) = activation(gate, up) of the fp32 tiles acc_gate and acc_up, gate_up's bias
+        added first. pairs and rows index the tiles' two dims as 2-D tensors that broadcast ([M, 1] and [1, N],
+        or [1, M] and [N, 1] for grouped_int4.py's turned-around tiles), with their masks."""
+        if BIASES:  # gate_up's bias [2I], gate's first
+            bias_ptr = b_ptr + slot * bias_stride + BIAS
+            acc_gate += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            acc_up += tl.load(bias_ptr + I + rows, mask=row_ok, other=0.0).to(tl.float32)
+        act = gated_activation(acc_gate, acc_up, CLAMPED_SWIGLU, ALPHA, LIMIT)
+        tl.store(act_ptr + pairs * I + rows, act.to(act_ptr.dtype.element_ty), mask=pair_ok & row_ok)
+
+    @triton.jit
+    def store_partial(acc, b_ptr, slot, bias_stride, weights_ptr, y_ptr, pair_count, pairs, pair_ok, outs, out_ok,
+                      H: tl.constexpr, BIAS: tl.constexpr, BIASES: tl.constexpr):
+        """This chunk of I's part of y [splits, P, H] (fp32): the routing weight times the fp32 tile acc, plus
+        down's bias in the first chunk only. pairs and outs index the tile's dims as in store_act."""
+        if BIASES:  # noqa: SIM102 - a compile-time test: without biases, b_ptr (None) must not be compiled in
+            if tl.program_id(2) == 0:  # down's bias [H], part of the expert's output: added by one chunk of I
+                acc += tl.load(b_ptr + slot * bias_stride + BIAS + outs, mask=out_ok, other=0.0).to(tl.float32)
+        weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + (tl.program_id(2) * pair_count + pairs) * H + outs, acc * weight, mask=pair_ok & out_ok)
 
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
@@ -277,10 +334,10 @@ if triton is not None:
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):  # the grid is launched for the most blocks any routing needs
             return
-        slot, pairs, pair_ok = _block_pairs(block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, BLOCK_M)
+        slot, pairs, pair_ok, gate_ptr, scale_ptr = block_pairs(  # gate_up [2I, H], gate rows first, in the format
+            block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, w_ptr, s_ptr, row_stride, scale_stride,
+            DATA, SCALES, BLOCK_M)
         token = pairs // K
-        gate_ptr = w_ptr + slot * row_stride + DATA  # gate_up [2I, H], gate rows first, in the format
-        scale_ptr = s_ptr + slot * scale_stride + SCALES
         rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of I
         row_ok = rows < I
         acc_gate = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
@@ -302,13 +359,8 @@ if triton is not None:
                 up = LOAD(gate_ptr, scale_ptr, rows + I, row_ok, h0, H, BLOCK_H, True, "").to(xt.dtype)
                 acc_gate = tl.dot(xt, gate, acc_gate, input_precision="ieee")  # "ieee": fp32 stays fp32, not tf32
                 acc_up = tl.dot(xt, up, acc_up, input_precision="ieee")
-        if BIASES:  # gate_up's bias [2I], gate's first
-            bias_ptr = b_ptr + slot * bias_stride + BIAS
-            acc_gate += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-            acc_up += tl.load(bias_ptr + I + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        act = gated_activation(acc_gate, acc_up, CLAMPED_SWIGLU, ALPHA, LIMIT)  # [BLOCK_M, BLOCK_I]
-        tl.store(act_ptr + pairs[:, None] * I + rows[None, :], act.to(act_ptr.dtype.element_ty),
-                 mask=pair_ok[:, None] & row_ok[None, :])
+        store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs[:, None], pair_ok[:, None], rows[None, :],
+                  row_ok[None, :], I, BIAS, BIASES, CLAMPED_SWIGLU, ALPHA, LIMIT)
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr,
@@ -320,9 +372,9 @@ if triton is not None:
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):
             return
-        slot, pairs, pair_ok = _block_pairs(block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, BLOCK_M)
-        down_ptr = w_ptr + slot * row_stride + DATA  # down [H, I], in the format
-        scale_ptr = s_ptr + slot * scale_stride + SCALES
+        slot, pairs, pair_ok, down_ptr, scale_ptr = block_pairs(  # down [H, I], in the format
+            block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, w_ptr, s_ptr, row_stride, scale_stride,
+            DATA, SCALES, BLOCK_M)
         outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs of H
         out_ok = outs < H
         acc = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -340,9 +392,7 @@ if triton is not None:
                 # [BLOCK_I, BLOCK_H]: a transposed view of the down rows, decoded into act's dtype
                 w = LOAD(down_ptr, scale_ptr, outs, out_ok, i0, I, BLOCK_I, True, "").to(a.dtype)
                 acc = tl.dot(a, w, acc, input_precision="ieee")
-        if BIASES:  # noqa: SIM102 - a compile-time test: without biases, b_ptr (None) must not be compiled in
-            if tl.program_id(2) == 0:  # down's bias [H], part of the expert's output: added by one chunk of I
-                acc += tl.load(b_ptr + slot * bias_stride + BIAS + outs, mask=out_ok, other=0.0).to(tl.float32)[None, :]
-        weight = tl.load(weights_ptr + pairs, mask=pair_ok, other=0.0).to(tl.float32)  # [BLOCK_M]
-        tl.store(y_ptr + (tl.program_id(2) * pair_count + pairs[:, None]) * H + outs[None, :], acc * weight[:, None],
-                 mask=pair_ok[:, None] & out_ok[None, :])
+        store_partial(acc, b_ptr, slot, bias_stride, weights_ptr, y_ptr, pair_count, pairs[:, None], pair_ok[:, None],
+                      outs[None, :], out_ok[None, :], H, BIAS, BIASES)
+
+    TILE_KERNELS = GroupedKernels(_gate_up_kernel, _down_kernel, _with_codes, GroupedConfig())

@@ -64,8 +64,10 @@ GPT_OSS_CASES = [(37, 19, 5, 2)]
 GPT_OSS_CUDA_CASES = [(200, 72, 17, 4), (256, 4096, 13, 2)]
 
 
-def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0, quant: str = "none",
-             gpt_oss: bool = False):
+def grouped_problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, seed: int = 0,
+                    quant: str = "none", gpt_oss: bool = False):
+    """`quant` experts in NUM_SLOTS slots; T tokens' k slots among the first USED_SLOTS (SHARED_SLOT routed
+    by every token, one slot twice in the first token); x followed by NaNs."""
     gen = torch.Generator().manual_seed(seed)
     layout = quant_layout(h, i, dtype, quant, **(GPT_OSS_EXPERTS if gpt_oss else {}))
     slots = random_slots(layout, NUM_SLOTS, gen)  # [S, numel]
@@ -75,7 +77,7 @@ def _problem(h: int, i: int, t: int, k: int, dtype: torch.dtype, device: str, se
     ids = torch.randint(0, USED_SLOTS, (t, k), generator=gen)  # [T, k]: slots repeat across tokens
     if k:
         ids[:, 0] = SHARED_SLOT
-    if k > 1:
+    if k > 1 and t:
         ids[0, -1] = ids[0, 0]  # the same slot twice in one token
     weights = torch.rand(t, k, generator=gen)  # [T, k]
     slots, x, ids, weights = (v.to(device) for v in (slots, x.to(dtype), ids, weights))
@@ -99,8 +101,8 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], quant: str = "none
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
     for (h, i, t, k), configs in tile_plan(cases, default_tile_cases, lambda h, i: tiny_config()):
-        layout, slots, x, ids, weights = _problem(h, i, t, k, getattr(torch, dtype), "cpu", quant=quant,
-                                                  gpt_oss=gpt_oss)
+        layout, slots, x, ids, weights = grouped_problem(h, i, t, k, getattr(torch, dtype), "cpu", quant=quant,
+                                                         gpt_oss=gpt_oss)
         assert not gpt_oss or clamp_binds(layout, slots, x, ids)
         expected = gathered_experts_torch(x, weights, slots, ids, layout).float()  # [T, H]
         # fp16: both paths round act and the output to fp16, in different places
@@ -214,7 +216,7 @@ def test_down_chunks_fill_the_gpu_for_the_fewest_blocks_a_routing_gives():
 
 
 def test_cpu_keeps_the_torch_path_at_any_batch():
-    layout, slots, x, ids, weights = _problem(16, 8, 17, 4, torch.float32, "cpu")
+    layout, slots, x, ids, weights = grouped_problem(16, 8, 17, 4, torch.float32, "cpu")
     assert ids.numel() >= GROUPED_MIN_PAIRS
     torch.testing.assert_close(gathered_experts(x, weights, slots, ids, layout),
                                gathered_experts_torch(x, weights, slots, ids, layout), rtol=0, atol=0)
@@ -238,7 +240,7 @@ def test_cuda_bf16_matches_torch_path(h, i, t, k, quant):
     (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
-    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
+    layout, slots, x, ids, weights = grouped_problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant)
     exact_layout, exact_slots = decoded_reference(layout, slots, torch.bfloat16)  # tl.dot takes bf16 tiles
     exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
     grouped = grouped_experts(x, weights, slots, ids, layout)
@@ -259,7 +261,7 @@ def test_cuda_bf16_gpt_oss_experts_match_torch_path(h, i, t, k, quant):
     (h, i, t, k), = fitted_cases([(h, i, t, k)], quant)
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
-    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant, gpt_oss=True)
+    layout, slots, x, ids, weights = grouped_problem(h, i, t, k, torch.bfloat16, "cuda", quant=quant, gpt_oss=True)
     assert clamp_binds(layout, slots, x, ids)
     exact_layout, exact_slots = decoded_reference(layout, slots, torch.bfloat16)  # biases and activation kept
     exact = gathered_experts_torch(x.float(), weights, exact_slots, ids, exact_layout)
@@ -279,7 +281,7 @@ def test_cuda_bf16_gpt_oss_experts_match_torch_path(h, i, t, k, quant):
 def test_cuda_fp32_matches_torch_path(h, i, t, k):
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
-    layout, slots, x, ids, weights = _problem(h, i, t, k, torch.float32, "cuda")
+    layout, slots, x, ids, weights = grouped_problem(h, i, t, k, torch.float32, "cuda")
     torch.testing.assert_close(grouped_experts(x, weights, slots, ids, layout),
                                gathered_experts_torch(x, weights, slots, ids, layout), rtol=1e-4, atol=1e-4)
 
@@ -288,22 +290,23 @@ def test_cuda_fp32_matches_torch_path(h, i, t, k):
 def test_cuda_small_batches_keep_the_fused_kernel():
     from moe_serve.engine.experts.fused_experts import fused_experts
 
-    layout, slots, x, ids, weights = _problem(256, 128, 1, 2, torch.bfloat16, "cuda")
+    layout, slots, x, ids, weights = grouped_problem(256, 128, 1, 2, torch.bfloat16, "cuda")
     assert ids.numel() < GROUPED_MIN_PAIRS
     assert torch.equal(gathered_experts(x, weights, slots, ids, layout), fused_experts(x, weights, slots, ids, layout))
 
 
 @needs_cuda
-def test_cuda_graph_replays_new_routing():
+@pytest.mark.parametrize("quant", ["none", "int4"])  # int4: grouped_int4.py's kernels
+def test_cuda_graph_replays_new_routing(quant):
     from moe_serve.engine.experts.grouped_experts import grouped_experts
 
-    layout, slots, x, ids, weights = _problem(256, 128, 32, 2, torch.bfloat16, "cuda")
+    layout, slots, x, ids, weights = grouped_problem(256, 128, 32, 2, torch.bfloat16, "cuda", quant=quant)
     grouped_experts(x, weights, slots, ids, layout)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = grouped_experts(x, weights, slots, ids, layout)
-    _, _, x2, ids2, weights2 = _problem(256, 128, 32, 2, torch.bfloat16, "cuda", seed=1)
+    _, _, x2, ids2, weights2 = grouped_problem(256, 128, 32, 2, torch.bfloat16, "cuda", seed=1, quant=quant)
     for new_ids in (ids2, torch.full_like(ids2, NUM_SLOTS - 1), torch.arange(64, device="cuda").view(32, 2) % NUM_SLOTS):
         for static, new in ((x, x2), (ids, new_ids), (weights, weights2)):  # the block count changes too
             static.copy_(new)
@@ -326,11 +329,11 @@ def test_cuda_new_token_counts_compile_nothing_new():
         return sum(len(cache[torch.cuda.current_device()][0]) for cache in caches)
 
     for t in (16, 17, 32, 33):  # each P_PAD of the lengths below, with P both even and odd multiples of 16
-        layout, slots, x, ids, weights = _problem(256, 128, t, 2, torch.bfloat16, "cuda")
+        layout, slots, x, ids, weights = grouped_problem(256, 128, t, 2, torch.bfloat16, "cuda")
         grouped.grouped_experts(x, weights, slots, ids, layout)
     compiled = variants()
     for t in range(17, 60):
-        layout, slots, x, ids, weights = _problem(256, 128, t, 2, torch.bfloat16, "cuda", seed=t)
+        layout, slots, x, ids, weights = grouped_problem(256, 128, t, 2, torch.bfloat16, "cuda", seed=t)
         grouped.grouped_experts(x, weights, slots, ids, layout)
     assert variants() <= compiled + 2  # at most P's own specialization (a multiple of 16 or not) at new sizes
 

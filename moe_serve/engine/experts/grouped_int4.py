@@ -1,0 +1,164 @@
+"""The grouped kernels for int4 experts: the weights as tl.dot's first operand.
+
+grouped_experts.py's kernels put a block's pairs first, acc[BLOCK_M, BLOCK_N] += x · w^T, with each
+int4 tile decoded into x's dtype, its scales multiplied in, before the dot. These two turn the tile
+around, acc[BLOCK_N, BLOCK_M] += w · x^T ("swap-AB"): BLOCK_N rows of the weight matrix (I's for
+gate/up, H's for down) are the mma's M, of which Hopper's wgmma wants 64 and which it can take from
+registers, where the decode leaves the weights; a block's 16 pairs are its N. One dot per group of
+int4's 128 weights along K: its codes n - 8 are exact in x's dtype and made without an int-to-float
+conversion (n | 0x4300 read as bf16 is 128 + n, less 136; fp16's n | 0x6400 is 1024 + n, less
+1032), a byte's two nibbles are joined back into order for one dot of K = 128, and the group's fp16
+scale multiplies the dot's fp32 product once per row, so no weight is rounded to x's dtype. The rest
+is grouped_experts.py's: block layout, launches, chunks of I and partial sums; its kernels_for picks
+these kernels, and GroupedConfig gives their tiles (INT4_CONFIG by default).
+
+On an H100 a Mixtral-size layer call ran 1.14-1.17x faster than under the decoded tiles at 8-64
+tokens (grouped_experts.py's docstring has the numbers). Against the same decoded tiles, other ways
+ran about 0.90x (two dots of K = 64, the nibbles left out of order, against x's even and odd
+elements), 1.06x (codes made by inline PTX), 1.0x (codes 128 + n, 136 sum(x) taken off each
+product) and 0.72x (an fp32 decode).
+
+Taken for bf16 and fp16 activations (the 16-bit dot's operands; fp32 keeps the decoded tiles) and H
+and I multiples of 128, int4's group: a row is then whole groups of 64 bytes, so rows and loop steps
+stay aligned for wide loads and no group is cut by K's end. Those are the dims measured (Mixtral's)
+and tested; others (small test models, gpt-oss's 2880) keep the decoded tiles.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_serve.engine.experts.formats.int4 import GROUP_SIZE, Int4
+from moe_serve.engine.experts.fused_experts import matrix_operands
+from moe_serve.engine.experts.grouped_experts import (
+    CODE_DTYPES,
+    GroupedConfig,
+    GroupedKernels,
+    block_pairs,
+    store_act,
+    store_partial,
+)
+from moe_serve.engine.experts.layout import MATRICES, ExpertLayout
+
+# the best tiles of each kernel at 32 tokens in the H100 sweep of (BLOCK_N, BLOCK_K, warps, stages) over
+# (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3), (128, 128, 8, 4)
+# (Mixtral size): gate/up 0.311 ms under (64, 128, 4, 4), 0.337 at best with 128 rows; down 0.172 ms under
+# (64, 256, 4, 3) (two chunks of I), 0.184-0.232 under the others
+INT4_CONFIG = GroupedConfig(block_m=16, gate_up_block_i=64, gate_up_block_h=128, gate_up_warps=4, gate_up_stages=4,
+                            down_block_h=64, down_block_i=256, down_warps=4, down_stages=3)
+
+
+def takes(x: torch.Tensor, layout: ExpertLayout) -> bool:
+    """Whether these kernels run the layout's experts for x: both matrices int4 (int4-zp's zero points go
+    through grouped_experts' codes), x 16-bit and the layout's dtype, H and I whole groups (the module docstring says why)."""
+    return (all(isinstance(layout.format_of(matrix), Int4) for matrix in MATRICES)
+            and x.dtype in CODE_DTYPES and x.dtype == layout.dtype
+            and layout.hidden_size % GROUP_SIZE == 0 and layout.intermediate_size % GROUP_SIZE == 0)
+
+
+def _operands(layout: ExpertLayout, slots: torch.Tensor, matrix: str, block_k: int, dtype: torch.dtype) -> dict:
+    """GroupedKernels.operands: matrix_operands less the format's tile load (these kernels decode int4
+    themselves), and int4's group. A loop step (block_k) must hold whole groups. The activations' dtype
+    changes nothing: takes() lets only 16-bit ones in."""
+    if block_k % GROUP_SIZE:
+        raise ValueError(f"int4's grouped kernels step through whole groups of {GROUP_SIZE}; "
+                         f"{matrix}'s step of {block_k} is not")
+    operands = matrix_operands(layout, slots, matrix)
+    del operands["LOAD"], operands["COLS"]
+    return {**operands, "GROUP": GROUP_SIZE}
+
+
+@triton.jit
+def _nibble_codes(packed, DTYPE: tl.constexpr):
+    """packed bytes [R, C] -> their low and high nibbles n as n - 8 in DTYPE (bf16 or fp16) [R, C] each,
+    exactly: n OR'd into the bits of 128 (1024), then 136 (1032) taken off in DTYPE."""
+    if DTYPE == tl.bfloat16:
+        lo = ((packed & 0xF).to(tl.int16) | 0x4300).to(DTYPE, bitcast=True)
+        hi = ((packed >> 4).to(tl.int16) | 0x4300).to(DTYPE, bitcast=True)
+        zero = tl.full((1, 1), 136.0, DTYPE)  # a DTYPE tensor: the subtraction stays in DTYPE
+    else:
+        lo = ((packed & 0xF).to(tl.int16) | 0x6400).to(DTYPE, bitcast=True)
+        hi = ((packed >> 4).to(tl.int16) | 0x6400).to(DTYPE, bitcast=True)
+        zero = tl.full((1, 1), 1032.0, DTYPE)
+    return lo - zero, hi - zero
+
+
+@triton.jit
+def _group_columns(v_ptr, vrows, v_ok, kg, K: tl.constexpr, GROUP: tl.constexpr):
+    """The activations of rows vrows [M] (K apart) over the group of columns kg .. kg + GROUP - 1,
+    transposed: [GROUP, M], 0 for a group past K (a loop step that does not divide K)."""
+    cols = kg + tl.arange(0, GROUP)
+    return tl.load(v_ptr + vrows[None, :] * K + cols[:, None], mask=(cols < K)[:, None] & v_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _group_dot(w_ptr, s_ptr, rows, row_ok, kg, K: tl.constexpr, GROUP: tl.constexpr, vt, acc):
+    """acc [R, M] (fp32) plus rows [R] of the int4 matrix at w_ptr (its fp16 scales at s_ptr) times vt
+    [GROUP, M], the activations of the group at column kg: one dot, then the group's scale."""
+    R: tl.constexpr = rows.shape[0]
+    byte = kg // 2 + tl.arange(0, GROUP // 2)
+    # [R, GROUP / 2]; a masked byte is two nibbles of 8, codes 0, as in the kernel measured (Triton 3.9's
+    # sm_90 build of the gate/up kernel takes 95 registers so, 116 with 0 there)
+    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + byte[None, :],
+                     mask=row_ok[:, None] & (byte < K // 2)[None, :], other=0x88)
+    # a group past K reads the row's last scale: vt is 0 there
+    scale = tl.load(s_ptr + rows * (K // GROUP) + tl.minimum(kg // GROUP, K // GROUP - 1), mask=row_ok, other=0.0)
+    lo, hi = _nibble_codes(packed, vt.dtype)
+    codes = tl.reshape(tl.join(lo, hi), (R, GROUP))  # [R, GROUP] in order: weight 2j is byte j's low nibble
+    return acc + tl.dot(codes, vt) * scale.to(tl.float32)[:, None]
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr,
+                    num_blocks_ptr, act_ptr, row_stride, scale_stride, bias_stride, H: tl.constexpr, I: tl.constexpr,
+                    K: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BIAS: tl.constexpr,
+                    BIASES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+                    GROUP: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
+    block = tl.program_id(0)
+    if block >= tl.load(num_blocks_ptr):  # the grid is launched for the most blocks any routing needs
+        return
+    slot, pairs, pair_ok, gate_ptr, scale_ptr = block_pairs(  # gate_up [2I, H] int4, gate rows first
+        block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, w_ptr, s_ptr, row_stride, scale_stride,
+        DATA, SCALES, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of I: the dot's M
+    row_ok = rows < I
+    token = pairs // K
+    acc_gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        for g in tl.static_range(BLOCK_H // GROUP):  # the loop step's groups, one dot each
+            kg = h0 + g * GROUP
+            xt = _group_columns(x_ptr, token, pair_ok, kg, H, GROUP)  # [GROUP, BLOCK_M]
+            acc_gate = _group_dot(gate_ptr, scale_ptr, rows, row_ok, kg, H, GROUP, xt, acc_gate)
+            acc_up = _group_dot(gate_ptr, scale_ptr, rows + I, row_ok, kg, H, GROUP, xt, acc_up)
+    store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs[None, :], pair_ok[None, :], rows[:, None],
+              row_ok[:, None], I, BIAS, BIASES, CLAMPED_SWIGLU, ALPHA, LIMIT)
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr,
+                 block_rows_ptr, num_blocks_ptr, y_ptr, pair_count, i_chunk, row_stride, scale_stride, bias_stride,
+                 H: tl.constexpr, I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BIAS: tl.constexpr,
+                 BIASES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+                 GROUP: tl.constexpr):
+    block = tl.program_id(0)
+    if block >= tl.load(num_blocks_ptr):
+        return
+    slot, pairs, pair_ok, down_ptr, scale_ptr = block_pairs(  # down [H, I] int4
+        block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, w_ptr, s_ptr, row_stride, scale_stride,
+        DATA, SCALES, BLOCK_M)
+    outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs of H: the dot's M
+    out_ok = outs < H
+    acc = tl.zeros([BLOCK_H, BLOCK_M], dtype=tl.float32)
+    first = tl.program_id(2) * i_chunk  # this program's chunk of I: whole tiles
+    for step in range(0, i_chunk, BLOCK_I):
+        for g in tl.static_range(BLOCK_I // GROUP):
+            kg = first + step + g * GROUP
+            at = _group_columns(act_ptr, pairs, pair_ok, kg, I, GROUP)  # [GROUP, BLOCK_M]
+            acc = _group_dot(down_ptr, scale_ptr, outs, out_ok, kg, I, GROUP, at, acc)
+    store_partial(acc, b_ptr, slot, bias_stride, weights_ptr, y_ptr, pair_count, pairs[None, :], pair_ok[None, :],
+                  outs[:, None], out_ok[:, None], H, BIAS, BIASES)
+
+
+KERNELS = GroupedKernels(_gate_up_kernel, _down_kernel, _operands, INT4_CONFIG)
