@@ -5,10 +5,11 @@
 
 mask: B matchers of one JSON schema walk random allowed paths (a grammar restarts once complete),
 through the engine's own MaskFiller. Per step it times, all on the engine thread: taking the step's
-constrained rows, the fill (the pinned buffer, llguidance over the rows, the checks, the upload
-queued; on CUDA the device runs the forward meanwhile), the sampler with and without the masks on
-the device (unpack + -inf fill over the batch + draw; the two in alternating order, since the first
-sampler call after a fill runs slower on a CPU), and advancing the matchers. overhead_us_per_step
+constrained rows, the fill (the pinned buffer, llguidance over the rows, the checks; on CUDA the
+device runs the forward meanwhile), the sampler with and without the masks (on CUDA one kernel
+either way, race.py; on a CPU the torch ops; the two in alternating order, since the first
+sampler call after a fill runs slower on a CPU), and advancing the matchers (on the engine thread
+here: the engine's worker consumes them from 4 rows, MaskFiller.follow). overhead_us_per_step
 is their sum: what a step pays for its masks.
 --vocab pads the logits (and mask) width to a real model's, since the embedded default model's
 tokenizer has only 8192 tokens. engine: B requests through EngineCore on --model, constrained to a fixed-length
