@@ -26,7 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.fused_experts import SHAPES, Shape, copy_gbps, graph_ms_per_call  # noqa: E402
 from moe_serve.engine.experts.compute import gathered_experts_torch  # noqa: E402
 from moe_serve.engine.experts.fused_experts import fused_experts  # noqa: E402
-from moe_serve.engine.experts.grouped_experts import GroupedConfig, block_layout, default_config, grouped_experts  # noqa: E402
+from moe_serve.engine.experts.grouped_experts import (  # noqa: E402
+    GroupedConfig,
+    block_layout,
+    default_config,
+    grouped_experts,
+    kernels_for,
+)
 
 SWEEP = {  # field overrides of GroupedConfig, one kernel's at a time
     "block_m": [{"block_m": 32}, {"block_m": 64}],
@@ -73,8 +79,9 @@ def layout_only(x, w, slots, ids, layout):
 
 
 def sweep(problem: Problem, shape: Shape, kernels: list[str], deadline: float, grid=SWEEP) -> dict:
-    """Each kernel's tiles under the best found so far, in the order of `grid` (SWEEP by default)."""
-    best = GroupedConfig()
+    """Each kernel's tiles under the best found so far, in the order of `grid` (SWEEP by default),
+    from the tiles of the kernels the problem's experts run (kernels_for: grouped_int4.py's for int4)."""
+    best = kernels_for(problem.x, problem.layout).config
     result: dict = {}
     for kernel, overrides in ((name, grid[name]) for name in kernels):
         times = {"default": graph_ms_per_call(problem, grouped_with(best), shape.layers, 10)}
