@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import jsonschema
@@ -53,6 +54,21 @@ def test_json_schema_streamed_equals_whole(client: openai.OpenAI, server: Runnin
     streamed, finish = streamed_chat(client, server, response_format=fmt, max_tokens=60, seed=4, temperature=1.0)
     assert streamed == whole.choices[0].message.content and finish == whole.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(streamed), schema)
+
+
+def test_concurrent_constrained_requests_equal_their_solo_answers(client: openai.OpenAI, server: RunningServer) -> None:
+    """Six at once: steps of 4 or more constrained rows, whose tokens the engine's grammar worker consumes
+    (learning of a completed grammar a step late): the same answers, streamed or not, as one at a time."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema()}}
+    kwargs = {"response_format": fmt, "max_tokens": 120, "temperature": 1.0}
+    solo = [chat(client, server, seed=seed, **kwargs).choices[0].message.content for seed in range(6)]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda seed: streamed_chat(client, server, seed=seed, **kwargs) if seed % 2 else
+                                 (lambda c: (c.message.content, c.finish_reason))(
+                                     chat(client, server, seed=seed, **kwargs).choices[0]), range(6)))
+    assert together == [(text, "stop") for text in solo]
+    for text in solo:
+        Person.model_validate_json(text)
 
 
 @pytest.mark.parametrize("stream", [False, True])
