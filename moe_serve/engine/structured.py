@@ -283,7 +283,8 @@ class FillWorker:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         sys.setswitchinterval(self.SWITCH_INTERVAL)
-        threading.Thread(target=self._serve, name="grammar-masks", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name="grammar-masks", daemon=True)
+        self.thread.start()
 
     def submit(self, fill: Callable[[], None]):
         """Queue fill; returns a held lock, released once it ran."""
@@ -292,9 +293,13 @@ class FillWorker:
         self._jobs.put((fill, done))
         return done
 
+    def close(self) -> None:
+        """The thread ends once the jobs queued before this ran."""
+        self._jobs.put(None)
+
     def _serve(self) -> None:
-        while True:
-            fill, done = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
+            fill, done = job
             fill()  # reports its own errors
             done.release()
 
@@ -327,6 +332,11 @@ class MaskFiller:
     @cached_property
     def worker(self) -> FillWorker:  # started by the first step that fills ahead
         return FillWorker()
+
+    def close(self) -> None:
+        """Stop the worker, if a step started one (an engine's close)."""
+        if "worker" in self.__dict__:
+            self.worker.close()
 
     @cached_property
     def executor(self) -> llguidance.LLExecutor:  # a thread pool: started by the first constrained step

@@ -249,6 +249,20 @@ class FailingConsume:
         raise RuntimeError("consume failed")
 
 
+def test_an_engines_close_ends_its_grammar_worker(tiny_model: Path) -> None:
+    engine = EngineCore(EngineConfig(model=str(tiny_model)))
+    engine.close()  # no constrained step: no worker was started
+    engine = EngineCore(EngineConfig(model=str(tiny_model)))
+    reqs = [constrained(f"w{i}", STRUCTURED[i % 2], 1.0, seed=i) for i in range(4)]
+    assert all(outs[-1].finish_reason == "stop" for outs in run_together(engine, reqs).values())
+    masks = engine.runtime.batch_runner.masks
+    assert "worker" in masks.__dict__  # started by the steps of 4 constrained rows
+    thread = masks.worker.thread
+    engine.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_a_consume_that_fails_on_the_worker_fails_each_of_its_sequences(tiny_model: Path) -> None:
     grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
     matchers = [grammars.matcher(s) for s in STRUCTURED]
