@@ -6,7 +6,8 @@ as torch ops is ~20 launches (the noise's integer hash, its float64 log, the sof
 the argmax), and a grammar's mask one more (token_mask.py). Here each row's program makes the same
 noise from the same hash of (row key, token) that sampler.noise_bits gives, reads its mask bits
 where they were filled (pinned host rows, over UVA, as token_mask.py does), and keeps the best
-token in one pass over the row: one launch for the step, masked or not.
+token in one pass over the row: one launch for the step, masked or not (two when greedy and
+sampled rows share the batch: the sampled ones' tokens overwrite the argmax's).
 
 A sampled row picks argmax_v (s_v - max s) / T - log E_v over its allowed tokens, which is the
 torch path's argmax_v softmax(s / T)_v / E_v taken in log space: the two agree except where two
@@ -29,17 +30,21 @@ _BLOCK = 1024  # tokens a program takes per loop step
 
 
 def race_tokens(logits: torch.Tensor, mask: TokenMask | None, temperature: torch.Tensor | None = None,
-                noise_key: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's token: logits [B, V] fp32; mask's bits [B, W] (None: every token allowed);
-    temperature and noise_key [B] for sampled rows (sampler.SamplingBatch), None for greedy ones. -> [B] int64."""
-    rows, vocab_size = logits.shape
+                noise_key: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows' tokens: logits [B, V] (fp32 for sampled rows); mask's bits [B, W] (None: every token allowed);
+    temperature and noise_key [S] of the sampled rows `rows` [S] (sampler.SamplingBatch; rows None: all
+    B), or none of the three for greedy rows. Written into tokens [B] int64 (new when None), returned."""
     assert logits.stride(1) == 1, "a program reads its row's logits in one run"
-    tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if tokens is None:
+        tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     sampled = temperature is not None and noise_key is not None
-    _race_kernel[(rows,)](
-        logits, logits.stride(0), vocab_size, logits if mask is None else mask.bits,
+    programs = logits.shape[0] if rows is None else rows.shape[0]
+    _race_kernel[(programs,)](
+        logits, logits.stride(0), logits.shape[1], logits if mask is None else mask.bits,
         0 if mask is None else mask.bits.shape[1], temperature if sampled else logits,
-        noise_key if sampled else tokens, tokens, MASKED=mask is not None, SAMPLED=sampled, BLOCK=_BLOCK,
+        noise_key if sampled else tokens, tokens if rows is None else rows, tokens,
+        MASKED=mask is not None, SAMPLED=sampled, GATHER=rows is not None, BLOCK=_BLOCK,
     )
     if mask is not None:
         mask.record_read()
@@ -57,8 +62,10 @@ if triton is not None:
 
     @triton.jit
     def _race_kernel(logits_ptr, row_stride, vocab_size, bits_ptr, words_per_row, temperature_ptr, noise_key_ptr,
-                     tokens_ptr, MASKED: tl.constexpr, SAMPLED: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+                     rows_ptr, tokens_ptr, MASKED: tl.constexpr, SAMPLED: tl.constexpr, GATHER: tl.constexpr,
+                     BLOCK: tl.constexpr):
+        program = tl.program_id(0)
+        row = tl.load(rows_ptr + program) if GATHER else program.to(tl.int64)  # program p: the p-th of rows
         logits_row = logits_ptr + row * row_stride
         token = tl.arange(0, BLOCK)
         if SAMPLED:  # the race scales by the temperature after the best allowed logit is taken off
@@ -67,8 +74,8 @@ if triton is not None:
                 top = tl.maximum(top, _allowed_logits(logits_row, bits_ptr, row, words_per_row, vocab_size,
                                                       start + token, MASKED))
             shift = tl.max(top, 0)
-            temperature = tl.load(temperature_ptr + row)
-            key = tl.load(noise_key_ptr + row)
+            temperature = tl.load(temperature_ptr + program)
+            key = tl.load(noise_key_ptr + program)
             key = key ^ (key >> 15)  # the row's part of the first xor-shift (sampler.noise_bits)
         best = tl.full([], float("-inf"), tl.float32)
         best_token = tl.full([], 0, tl.int64)

@@ -9,9 +9,9 @@ and top-p and draws; logprobs are read off the penalised logits before temperatu
 sampled rows, with and without logprobs, penalties or extras, mix freely in one batch, `sample`
 has no Python loop over rows, and a batch whose rows use none of the extras runs none of their
 tensor work. Rows under a grammar (moe_serve/engine/structured.py) choose among the tokens its mask
-allows, in one pass over the batch (TokenMask); their logprobs stay the model's. On CUDA a batch of
-greedy rows under masks, or of sampled rows none of which truncates (top-k, top-p, min-p), draws in
-one kernel (moe_serve/engine/race.py), the mask read inside it.
+allows, in one pass over the batch (TokenMask); their logprobs stay the model's. On CUDA a batch none
+of whose sampled rows truncates (top-k, top-p, min-p) draws, masked or not, in
+one kernel (moe_serve/engine/race.py; two where greedy and sampled rows mix), the mask read inside it.
 
 Why the draw is counter-based. Under continuous batching a request meets different neighbours
 at every step, and may run alone, batched, on the CPU or on CUDA; its seed must still give the
@@ -195,16 +195,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     called once the work that does not need the masks is queued (the draws' noise, the logprobs):
     a fill on another thread (structured.FillWorker) runs beside those launches."""
     top = batch.max_logprobs
-    if not batch.adjusts_logits and batch.num_sampled == 0 and top is None:
-        if allowed is None:
-            return SampledTokens(logits.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax
-        tokens = race_tokens(logits, allowed()) if logits.is_cuda else allowed().restrict(logits).argmax(-1)
-        return SampledTokens(tokens, None, None, None, batch.logprobs)
+    if not batch.adjusts_logits and batch.num_sampled == 0 and top is None and allowed is None:
+        return SampledTokens(logits.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax
     logits = _adjusted(logits.float(), batch)  # [B, V]
     logp = None if top is None else torch.log_softmax(logits, dim=-1)  # [B, V]
-    if logits.is_cuda and batch.num_sampled == batch.size and not batch.truncates:  # one kernel
-        tokens = race_tokens(logits, None if allowed is None else allowed(), batch.temperature, batch.noise_key)
-        return _with_logprobs(tokens, logp, batch)
+    if logits.is_cuda and not batch.truncates:  # race.py: one kernel (two with greedy and sampled rows)
+        return _with_logprobs(_race(logits, batch, None if allowed is None else allowed()), logp, batch)
     noise = exponential_noise(batch.noise_key, logits.shape[-1]) if batch.num_sampled else None  # [S, V]
     candidates = logits if allowed is None else allowed().restrict(logits)  # [B, V]
     if batch.num_sampled == batch.size:
@@ -215,6 +211,16 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
             tokens.index_copy_(0, batch.sampled_rows,
                                _draw(candidates.index_select(0, batch.sampled_rows), batch, noise))
     return _with_logprobs(tokens, logp, batch)
+
+
+def _race(logits: torch.Tensor, batch: SamplingBatch, mask: TokenMask | None) -> torch.Tensor:
+    """Every row's token [B] from race.py's kernel: the greedy rows' argmax, the sampled rows' race."""
+    if batch.num_sampled == batch.size:
+        return race_tokens(logits, mask, batch.temperature, batch.noise_key)
+    tokens = logits.argmax(-1) if mask is None else race_tokens(logits, mask)  # [B] (torch's launch is cheaper)
+    if batch.num_sampled:
+        race_tokens(logits, mask, batch.temperature, batch.noise_key, batch.sampled_rows, tokens)
+    return tokens
 
 
 def _with_logprobs(tokens: torch.Tensor, logp: torch.Tensor | None, batch: SamplingBatch) -> SampledTokens:

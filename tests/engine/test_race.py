@@ -1,5 +1,6 @@
 """race.py's one-kernel draw gives the sampler's torch path's tokens: greedy rows' argmax (ties to the
-lowest id) and sampled rows' exponential race from the same noise, under grammar masks or none
+lowest id) and sampled rows' exponential race from the same noise, alone or mixed in one batch,
+under grammar masks or none
 (Triton's interpreter on a CPU; the kernel on pinned mask rows on a GPU when there is one)."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from moe_serve.engine.messages import SamplingParams
 from moe_serve.engine.race import race_tokens
-from moe_serve.engine.sampler import SamplingBatch, SamplingRow, sample
+from moe_serve.engine.sampler import SamplingBatch, SamplingRow, _race, sample
 from moe_serve.engine.token_mask import TokenMask
 from tests.engine.test_token_mask import random_allowed, token_mask
 from tests.triton_interpreter import needs_triton, run_interpreted
@@ -20,9 +21,10 @@ CASES = [(3, 48), (4, 2500), (5, 1100)]
 TEMPERATURES = [1.0, 0.7, 2.0, 1e-3, 0.25]
 
 
-def sampled_batch(rows: int, device: str) -> SamplingBatch:
-    """Every row sampled, no top-k/top-p/min-p: the batches race.py draws for."""
-    return SamplingBatch.build([SamplingRow(SamplingParams(max_tokens=8, temperature=TEMPERATURES[r % len(TEMPERATURES)]),
+def sampled_batch(rows: int, device: str, greedy: tuple[int, ...] = ()) -> SamplingBatch:
+    """Rows sampled but for `greedy`, no top-k/top-p/min-p: the batches race.py draws for."""
+    temperature = [0.0 if r in greedy else TEMPERATURES[r % len(TEMPERATURES)] for r in range(rows)]
+    return SamplingBatch.build([SamplingRow(SamplingParams(max_tokens=8, temperature=temperature[r]),
                                             seed=1000 + r, output_ids=list(range(r))) for r in range(rows)], device)
 
 
@@ -43,6 +45,11 @@ def check_race(cases: list[list[int]], device: str = "cpu") -> None:
             (mask.restrict(logits).argmax(-1), race_tokens(x, on_device)),
             (logits.argmax(-1), race_tokens(x, None)),
         ]:
+            assert got.cpu().tolist() == expected.tolist()
+        # greedy and sampled rows in one batch: the sampler's two launches, the second over the sampled rows
+        mixed, device_mixed = sampled_batch(rows, "cpu", greedy=(0, 2)), sampled_batch(rows, device, greedy=(0, 2))
+        for expected, got in [(sample(logits, mixed, lambda: mask).tokens, _race(x, device_mixed, on_device)),
+                              (sample(logits, mixed).tokens, _race(x, device_mixed, None))]:
             assert got.cpu().tolist() == expected.tolist()
         # greedy ties go to the lowest id, across blocks too; a row with no allowed token gives 0 as argmax does
         tied = torch.zeros(rows, vocab)
