@@ -23,6 +23,8 @@ from moe_serve.engine.token_mask import TokenMask
 try:
     import triton
     import triton.language as tl
+
+    from moe_serve.engine.token_mask import allowed_logits
 except ImportError:  # no triton: the sampler's torch path only
     triton = None
 
@@ -71,7 +73,7 @@ if triton is not None:
         if SAMPLED:  # the race scales by the temperature after the best allowed logit is taken off
             top = tl.full([BLOCK], float("-inf"), tl.float32)
             for start in range(0, vocab_size, BLOCK):
-                top = tl.maximum(top, _allowed_logits(logits_row, bits_ptr, row, words_per_row, vocab_size,
+                top = tl.maximum(top, allowed_logits(logits_row, bits_ptr, row, words_per_row, vocab_size,
                                                       start + token, MASKED))
             shift = tl.max(top, 0)
             temperature = tl.load(temperature_ptr + program)
@@ -81,7 +83,7 @@ if triton is not None:
         best_token = tl.full([], 0, tl.int64)
         for start in range(0, vocab_size, BLOCK):
             v = start + token
-            score = _allowed_logits(logits_row, bits_ptr, row, words_per_row, vocab_size, v, MASKED)
+            score = allowed_logits(logits_row, bits_ptr, row, words_per_row, vocab_size, v, MASKED)
             if SAMPLED:  # the hash of sampler.noise_bits: the token's part as _shifted_token_hashes makes it
                 salted = v.to(tl.int64) ^ 0x9E3779B9
                 token_hash = _mix32_rest(salted ^ (salted >> 15))
@@ -94,13 +96,3 @@ if triton is not None:
             best_token = tl.where(block_best > best, start + tl.argmax(score, 0).to(tl.int64), best_token)
             best = tl.maximum(best, block_best)
         tl.store(tokens_ptr + row, best_token)
-
-    @triton.jit
-    def _allowed_logits(logits_row, bits_ptr, row, words_per_row, vocab_size, v, MASKED: tl.constexpr):
-        """logits at tokens v [BLOCK], -inf at tokens past the vocabulary or forbidden by the row's bits."""
-        inside = v < vocab_size
-        logits = tl.load(logits_row + v, mask=inside, other=float("-inf"))
-        if MASKED:  # bit v % 32 of word v // 32: llguidance's layout
-            word = tl.load(bits_ptr + row * words_per_row + v // 32, mask=inside, other=0)
-            logits = tl.where(((word >> (v % 32)) & 1) != 0, logits, float("-inf"))
-        return logits

@@ -236,14 +236,11 @@ class PendingMasks:
 
     def wait(self) -> None:
         """Until the worker ran this job (at once for an inline one, which fills in result())."""
-        if self._filled is not None:
-            self._filled.acquire()  # a lock released when done: taken and given back, any number of waiters pass
-            self._filled.release()
+        _pass(self._filled)
 
     def wait_advanced(self) -> None:
-        if self._advanced is not None:
-            self._advanced.acquire()
-            self._advanced.release()
+        """Until the worker consumed a follow job's tokens (at once for a fill without tokens)."""
+        _pass(self._advanced)
 
     def _fill(self) -> None:
         try:
@@ -269,6 +266,13 @@ class PendingMasks:
         accepted = self.executor.consume_token_par([(g.matcher, t) for (_, g), t in zip(self.rows, self.tokens)])
         for (_, grammar), ok in zip(self.rows, accepted):
             grammar.consumed_one(ok)
+
+
+def _pass(done: _thread.LockType | None) -> None:
+    """Wait for a lock held until its work is done: taken and given back, any number of waiters pass."""
+    if done is not None:
+        done.acquire()
+        done.release()
 
 
 class FillWorker:

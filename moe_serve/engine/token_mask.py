@@ -90,8 +90,25 @@ if triton is not None:
         word = tl.program_id(1) * WORDS + tl.arange(0, WORDS)  # [WORDS]
         bits = tl.load(bits_ptr + row * words_per_row + word, mask=word < words_per_row, other=0)  # [WORDS]
         bit = tl.arange(0, 32)  # [32]
-        allowed = ((bits[:, None] >> bit[None, :]) & 1) != 0  # [WORDS, 32]: arithmetic shift, then one bit
+        allowed = _bit_set(bits[:, None], bit[None, :])  # [WORDS, 32]
         token = word[:, None] * 32 + bit[None, :]  # [WORDS, 32]
         inside = token < vocab_size
         logits = tl.load(logits_ptr + row * row_stride + token, mask=inside)
         tl.store(out_ptr + row * vocab_size + token, tl.where(allowed, logits, float("-inf")), mask=inside)
+
+    @triton.jit
+    def _bit_set(word, bit):
+        """Whether bit `bit` of int32 `word` is set: llguidance's layout, bit v % 32 of word v // 32 allows
+        token v (an arithmetic shift, then the one bit)."""
+        return ((word >> bit) & 1) != 0
+
+    @triton.jit
+    def allowed_logits(logits_row, bits_ptr, row, words_per_row, vocab_size, v, MASKED: tl.constexpr):
+        """logits at tokens v [BLOCK] of one row (race.py), -inf at tokens past the vocabulary or, when
+        MASKED, forbidden by the row's bits."""
+        inside = v < vocab_size
+        logits = tl.load(logits_row + v, mask=inside, other=float("-inf"))
+        if MASKED:
+            word = tl.load(bits_ptr + row * words_per_row + v // 32, mask=inside, other=0)
+            logits = tl.where(_bit_set(word, v % 32), logits, float("-inf"))
+        return logits
