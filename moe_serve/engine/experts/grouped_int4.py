@@ -73,14 +73,11 @@ def _operands(layout: ExpertLayout, slots: torch.Tensor, matrix: str, block_k: i
 def _nibble_codes(packed, DTYPE: tl.constexpr):
     """packed bytes [R, C] -> their low and high nibbles n as n - 8 in DTYPE (bf16 or fp16) [R, C] each,
     exactly: n OR'd into the bits of 128 (1024), then 136 (1032) taken off in DTYPE."""
-    if DTYPE == tl.bfloat16:
-        lo = ((packed & 0xF).to(tl.int16) | 0x4300).to(DTYPE, bitcast=True)
-        hi = ((packed >> 4).to(tl.int16) | 0x4300).to(DTYPE, bitcast=True)
-        zero = tl.full((1, 1), 136.0, DTYPE)  # a DTYPE tensor: the subtraction stays in DTYPE
-    else:
-        lo = ((packed & 0xF).to(tl.int16) | 0x6400).to(DTYPE, bitcast=True)
-        hi = ((packed >> 4).to(tl.int16) | 0x6400).to(DTYPE, bitcast=True)
-        zero = tl.full((1, 1), 1032.0, DTYPE)
+    BITS: tl.constexpr = 0x4300 if DTYPE == tl.bfloat16 else 0x6400
+    lo = ((packed & 0xF).to(tl.int16) | BITS).to(DTYPE, bitcast=True)
+    hi = ((packed >> 4).to(tl.int16) | BITS).to(DTYPE, bitcast=True)
+    # a DTYPE tensor: the subtraction stays in DTYPE
+    zero = tl.full((1, 1), 136.0 if DTYPE == tl.bfloat16 else 1032.0, DTYPE)
     return lo - zero, hi - zero
 
 
