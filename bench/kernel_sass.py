@@ -9,8 +9,9 @@ decode costs without one. Per format, the gate/up kernel is compiled as the disp
 it at the Mixtral shape (H 4096, I 14,336) for sm_90 by `triton.compile`, with the 16-byte alignment
 the JIT specializes pointers and strides to, then disassembled with the nvdisasm Triton ships:
 `fused` (one token: `fused_experts._gate_up_kernel` under `fused_experts.default_config`'s tiles, the
-format's tile dot where it has one) or `grouped` (a batch: `grouped_experts._gate_up_kernel` under
-`grouped_experts.default_config`, tiles decoded for tl.dot). Counted: the SASS of the K loop's body
+format's tile dot where it has one), `grouped` (a batch: `grouped_experts._gate_up_kernel` under
+`grouped_experts.default_config`, tiles decoded for tl.dot) or `grouped-int4` (a batch of int4
+experts, as the dispatch takes it at this shape: `grouped_int4._gate_up_kernel` under `INT4_CONFIG`). Counted: the SASS of the K loop's body
 (from the target of the longest backward branch to the branch), divided by the weights one thread
 of a program reads per iteration (2 matrices x rows x columns / threads). Conversions from int to float (I2F, I2FP) are listed apart: sm_90 issues them
 at a fraction of an FMA's rate, so an instruction count undercounts a loop with many.
@@ -37,9 +38,10 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from moe_serve.engine.experts import fused_experts, grouped_experts  # noqa: E402
+from moe_serve.engine.experts import fused_experts, grouped_experts, grouped_int4  # noqa: E402
 from moe_serve.engine.experts.activation import ExpertActivation  # noqa: E402
 from moe_serve.engine.experts.formats import FORMAT_NAMES, expert_format  # noqa: E402
+from moe_serve.engine.experts.formats.int4 import GROUP_SIZE  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 4096, 14336  # Mixtral's expert shape
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
@@ -66,6 +68,15 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
         constants = {**format_constants, "BLOCK_I": cfg.gate_up_rows, "BLOCK_H": cfg.gate_up_cols,
                      "DOT": fmt.triton_load if dot is None else dot, "USE_DOT": dot is not None}
         rows, cols, options = cfg.gate_up_rows, cfg.gate_up_cols, {"num_warps": cfg.gate_up_warps}
+    elif kernel == "grouped-int4":
+        cfg = grouped_int4.INT4_CONFIG
+        fn = grouped_int4._gate_up_kernel
+        pointers = {"x_ptr": "*bf16", **operands, **{name: "*i32" for name in (
+            "order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr", "num_blocks_ptr")}, "act_ptr": "*bf16"}
+        constants = {**format_constants, "BLOCK_M": cfg.block_m, "BLOCK_I": cfg.gate_up_block_i,
+                     "BLOCK_H": cfg.gate_up_block_h, "GROUP": GROUP_SIZE}
+        rows, cols = cfg.gate_up_block_i, cfg.gate_up_block_h
+        options = {"num_warps": cfg.gate_up_warps, "num_stages": cfg.gate_up_stages}
     else:
         cfg = grouped_experts.default_config(HIDDEN, INTERMEDIATE)
         fn = grouped_experts._gate_up_kernel
@@ -77,6 +88,7 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
                      "USE_CODES": codes is not None}
         rows, cols = cfg.gate_up_block_i, cfg.gate_up_block_h
         options = {"num_warps": cfg.gate_up_warps, "num_stages": cfg.gate_up_stages}
+    constants = {name: value for name, value in constants.items() if name in fn.arg_names}
     signature = {name: pointers[name] for name in fn.arg_names if name in pointers}
     aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature}
     source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constants}},
@@ -123,7 +135,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--formats", default=",".join(name for name in FORMAT_NAMES))
-    parser.add_argument("--kernel", choices=["fused", "grouped"], default="fused")
+    parser.add_argument("--kernel", choices=["fused", "grouped", "grouped-int4"], default="fused")
     args = parser.parse_args()
     rows = []
     for quant in args.formats.split(","):

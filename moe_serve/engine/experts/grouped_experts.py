@@ -194,6 +194,8 @@ class GroupedKernels:
     down: Any
     operands: Callable[[ExpertLayout, torch.Tensor, str, int, torch.dtype], dict]
     config: GroupedConfig
+    # x [T, H] as the gate/up kernel reads it: x itself, or its columns in grouped_int4.py's order
+    inputs: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.contiguous
 
 
 def kernels_for(x: torch.Tensor, layout: ExpertLayout) -> GroupedKernels:
@@ -217,7 +219,7 @@ def grouped_experts(
     cfg = fit_config(config or kernels.config, h, i, layout.dtype)
     if t * k == 0:  # every expert of every token left to the CPU
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    x = x.contiguous()
+    x = kernels.inputs(x)
     blocks = block_layout(slot_ids, slots.shape[0], cfg.block_m, routed_experts=routed_experts)
     grid_blocks = blocks.block_slot.shape[0]  # the most blocks any routing needs
     act = torch.empty(t * k, i, dtype=layout.dtype, device=x.device)  # [P, I]
@@ -299,18 +301,19 @@ if triton is not None:
         return slot, pairs, pair_ok, w_ptr + slot * row_stride + DATA, s_ptr + slot * scale_stride + SCALES
 
     @triton.jit
-    def store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs, pair_ok, rows, row_ok, I: tl.constexpr,
-                  BIAS: tl.constexpr, BIASES: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr, ALPHA: tl.constexpr,
-                  LIMIT: tl.constexpr):
+    def store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs, pair_ok, rows, row_ok, act_cols,
+                  I: tl.constexpr, BIAS: tl.constexpr, BIASES: tl.constexpr, CLAMPED_SWIGLU: tl.constexpr,
+                  ALPHA: tl.constexpr, LIMIT: tl.constexpr):
         """act [P, I] (its dtype) = activation(gate, up) of the fp32 tiles acc_gate and acc_up, gate_up's bias
         added first. pairs and rows index the tiles' two dims as 2-D tensors that broadcast ([M, 1] and [1, N],
-        or [1, M] and [N, 1] for grouped_int4.py's turned-around tiles), with their masks."""
+        or [1, M] and [N, 1] for grouped_int4.py's turned-around tiles), with their masks; act_cols (shaped as
+        rows) is the column of act each row's activation goes to: rows itself, or grouped_int4.py's order."""
         if BIASES:  # gate_up's bias [2I], gate's first
             bias_ptr = b_ptr + slot * bias_stride + BIAS
             acc_gate += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             acc_up += tl.load(bias_ptr + I + rows, mask=row_ok, other=0.0).to(tl.float32)
         act = gated_activation(acc_gate, acc_up, CLAMPED_SWIGLU, ALPHA, LIMIT)
-        tl.store(act_ptr + pairs * I + rows, act.to(act_ptr.dtype.element_ty), mask=pair_ok & row_ok)
+        tl.store(act_ptr + pairs * I + act_cols, act.to(act_ptr.dtype.element_ty), mask=pair_ok & row_ok)
 
     @triton.jit
     def store_partial(acc, b_ptr, slot, bias_stride, weights_ptr, y_ptr, pair_count, pairs, pair_ok, outs, out_ok,
@@ -360,7 +363,7 @@ if triton is not None:
                 acc_gate = tl.dot(xt, gate, acc_gate, input_precision="ieee")  # "ieee": fp32 stays fp32, not tf32
                 acc_up = tl.dot(xt, up, acc_up, input_precision="ieee")
         store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs[:, None], pair_ok[:, None], rows[None, :],
-                  row_ok[None, :], I, BIAS, BIASES, CLAMPED_SWIGLU, ALPHA, LIMIT)
+                  row_ok[None, :], rows[None, :], I, BIAS, BIASES, CLAMPED_SWIGLU, ALPHA, LIMIT)
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr,

@@ -1,22 +1,35 @@
-"""The grouped kernels for int4 experts: the weights as tl.dot's first operand.
+"""The grouped kernels for int4 experts: the weights as tl.dot's first operand, in the order they load.
 
 grouped_experts.py's kernels put a block's pairs first, acc[BLOCK_M, BLOCK_N] += x · w^T, with each
 int4 tile decoded into x's dtype, its scales multiplied in, before the dot. These two turn the tile
 around, acc[BLOCK_N, BLOCK_M] += w · x^T ("swap-AB"): BLOCK_N rows of the weight matrix (I's for
 gate/up, H's for down) are the mma's M, of which Hopper's wgmma wants 64 and which it can take from
 registers, where the decode leaves the weights; a block's 16 pairs are its N. One dot per group of
-int4's 128 weights along K: its codes n - 8 are exact in x's dtype and made without an int-to-float
-conversion (n | 0x4300 read as bf16 is 128 + n, less 136; fp16's n | 0x6400 is 1024 + n, less
-1032), a byte's two nibbles are joined back into order for one dot of K = 128, and the group's fp16
-scale multiplies the dot's fp32 product once per row, so no weight is rounded to x's dtype. The rest
-is grouped_experts.py's: block layout, launches, chunks of I and partial sums; its kernels_for picks
-these kernels, and GroupedConfig gives their tiles (INT4_CONFIG by default).
+int4's 128 weights along K, and the group's fp16 scale multiplies the dot's fp32 product once per
+row, so no weight is rounded to x's dtype.
 
-On an H100 a Mixtral-size layer call ran 1.14-1.17x faster than under the decoded tiles at 8-64
-tokens (grouped_experts.py's docstring has the numbers). Against the same decoded tiles, other ways
-ran about 0.90x (two dots of K = 64, the nibbles left out of order, against x's even and odd
-elements), 1.06x (codes made by inline PTX), 1.0x (codes 128 + n, 136 sum(x) taken off each
-product) and 0.72x (an fp32 decode).
+The dot runs over a group's columns in "dot order", not in order: a sum over K is the same in any
+order shared by both operands, and this one is the order in which each thread already holds the
+weights. A thread of an mma's A operand holds, per 16 columns, the register pairs of places
+(2t, 2t + 1) and (2t + 8, 2t + 9), t its lane among 4; it loads its 16 bytes of a group's row as
+four 32-bit words, and ((word >> 4i) & 0x000F000F) | 0x43004300 puts the nibbles i and i + 4 of a
+word, read as bf16, into the two halves of one such register: 128 + n each, less 136 (fp16: 1024 + n
+and 0x6400, less 1032) the exact codes n - 8, with no int-to-float conversion. So place
+32m + 8i + 2t + p of a group holds column 32t + 8m + 4p + i (m, i, t < 4, p < 2: word 4t + m,
+nibble i + 4p), and the weights' reshapes into that order only relabel registers. The activations
+come in the same order: x permuted once per call (dot_order, GroupedKernels.inputs), and act, which
+the gate/up kernel writes for the down kernel, stored so (_dot_place). Before, the kernels joined
+each byte's two nibbles into column order, which left each thread's bytes 4 apart: 64 one-byte
+loads from shared memory a step. Counted in the sm_90 SASS of the K loop at the Mixtral shape
+(`python bench/kernel_sass.py --kernel grouped-int4`, bench/results/quant/kernel_sass-grouped-int4-sm90*.json),
+gate/up went from 718 to 400 instructions a step (5.6 to 3.1 a weight; down's, counted likewise,
+from 788 to 475); the change is not yet timed on a GPU.
+
+On an H100 the kernels of column order ran a Mixtral-size layer call 1.14-1.17x faster than the
+decoded tiles at 8-64 tokens (grouped_experts.py's docstring has the numbers). Against the same
+decoded tiles, other ways ran about 0.90x (two dots of K = 64, the nibbles left out of order,
+against x's even and odd elements), 1.06x (codes made by inline PTX), 1.0x (codes 128 + n, 136
+sum(x) taken off each product) and 0.72x (an fp32 decode).
 
 Taken for bf16 and fp16 activations (the 16-bit dot's operands; fp32 keeps the decoded tiles) and H
 and I multiples of 128, int4's group: a row is then whole groups of 64 bytes, so rows and loop steps
@@ -69,21 +82,35 @@ def _operands(layout: ExpertLayout, slots: torch.Tensor, matrix: str, block_k: i
     return {**operands, "GROUP": GROUP_SIZE}
 
 
+def dot_order(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H] with each group's 128 columns in dot order (GroupedKernels.inputs): place
+    32m + 8i + 2t + p holds column 32t + 8m + 4p + i (m, i, t < 4; p < 2)."""
+    t, h = x.shape
+    return x.view(t, h // GROUP_SIZE, 4, 4, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(t, h)
+
+
 @triton.jit
-def _nibble_codes(packed, DTYPE: tl.constexpr):
-    """packed bytes [R, C] -> their low and high nibbles n as n - 8 in DTYPE (bf16 or fp16) [R, C] each,
-    exactly: n OR'd into the bits of 128 (1024), then 136 (1032) taken off in DTYPE."""
-    BITS: tl.constexpr = 0x4300 if DTYPE == tl.bfloat16 else 0x6400
-    lo = ((packed & 0xF).to(tl.int16) | BITS).to(DTYPE, bitcast=True)
-    hi = ((packed >> 4).to(tl.int16) | BITS).to(DTYPE, bitcast=True)
-    # a DTYPE tensor: the subtraction stays in DTYPE
-    zero = tl.full((1, 1), 136.0 if DTYPE == tl.bfloat16 else 1032.0, DTYPE)
-    return lo - zero, hi - zero
+def _dot_place(col):
+    """The dot-order place of each column of act (within its group of 128, as dot_order's)."""
+    return col - col % 128 + 32 * ((col // 8) % 4) + 8 * (col % 4) + 2 * ((col % 128) // 32) + (col // 4) % 2
+
+
+@triton.jit
+def _pair_codes(words, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibbles SHIFT / 4 and SHIFT / 4 + 4 of int32 words [R, W] as codes n - 8 in DTYPE (bf16 or fp16),
+    [R, W, 2], exactly: both masked into the halves of one word at once, OR'd into the bits of 128 (bf16;
+    fp16's 1024), each half read as DTYPE, then 136 (1032) taken off in DTYPE."""
+    BITS: tl.constexpr = 0x43004300 if DTYPE == tl.bfloat16 else 0x64006400
+    bits = ((words >> SHIFT) & 0x000F000F) | BITS
+    zero = tl.full((1, 1, 1), 136.0 if DTYPE == tl.bfloat16 else 1032.0, DTYPE)  # the subtraction stays in DTYPE
+    low = (bits & 0xFFFF).to(tl.int16).to(DTYPE, bitcast=True)
+    high = (bits >> 16).to(tl.int16).to(DTYPE, bitcast=True)
+    return tl.join(low, high) - zero
 
 
 @triton.jit
 def _group_columns(v_ptr, vrows, v_ok, kg, K: tl.constexpr, GROUP: tl.constexpr):
-    """The activations of rows vrows [M] (K apart) over the group of columns kg .. kg + GROUP - 1,
+    """The activations of rows vrows [M] (K apart) over the group of places kg .. kg + GROUP - 1,
     transposed: [GROUP, M], 0 for a group past K (a loop step that does not divide K)."""
     cols = kg + tl.arange(0, GROUP)
     return tl.load(v_ptr + vrows[None, :] * K + cols[:, None], mask=(cols < K)[:, None] & v_ok[None, :], other=0.0)
@@ -92,17 +119,18 @@ def _group_columns(v_ptr, vrows, v_ok, kg, K: tl.constexpr, GROUP: tl.constexpr)
 @triton.jit
 def _group_dot(w_ptr, s_ptr, rows, row_ok, kg, K: tl.constexpr, GROUP: tl.constexpr, vt, acc):
     """acc [R, M] (fp32) plus rows [R] of the int4 matrix at w_ptr (its fp16 scales at s_ptr) times vt
-    [GROUP, M], the activations of the group at column kg: one dot, then the group's scale."""
+    [GROUP, M], the activations of the group at column kg in dot order: one dot, then the group's scale."""
     R: tl.constexpr = rows.shape[0]
-    byte = kg // 2 + tl.arange(0, GROUP // 2)
-    # [R, GROUP / 2]; a masked byte is two nibbles of 8, codes 0, as in the kernel measured (Triton 3.9's
-    # sm_90 build of the gate/up kernel takes 95 registers so, 116 with 0 there)
-    packed = tl.load(w_ptr + rows[:, None] * (K // 2) + byte[None, :],
-                     mask=row_ok[:, None] & (byte < K // 2)[None, :], other=0x88)
+    word = kg // 8 + tl.arange(0, GROUP // 8)  # [16]: word 4t + m holds columns 32t + 8m .. 32t + 8m + 7
+    # a masked word's nibbles are 8s, codes 0 (0x88888888 as an int32)
+    words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + word[None, :],
+                    mask=row_ok[:, None] & (word < K // 8)[None, :], other=-0x77777778)  # [R, 16]
     # a group past K reads the row's last scale: vt is 0 there
     scale = tl.load(s_ptr + rows * (K // GROUP) + tl.minimum(kg // GROUP, K // GROUP - 1), mask=row_ok, other=0.0)
-    lo, hi = _nibble_codes(packed, vt.dtype)
-    codes = tl.reshape(tl.join(lo, hi), (R, GROUP))  # [R, GROUP] in order: weight 2j is byte j's low nibble
+    codes = tl.join(tl.join(_pair_codes(words, 0, vt.dtype), _pair_codes(words, 4, vt.dtype)),
+                    tl.join(_pair_codes(words, 8, vt.dtype), _pair_codes(words, 12, vt.dtype)))  # [R, 16, 2, 2, 2]
+    # [R, t, m, p, i % 2, i // 2] -> [R, m, i // 2, i % 2, t, p]: dot order, the registers' own
+    codes = tl.reshape(tl.permute(tl.reshape(codes, (R, 4, 4, 2, 2, 2)), (0, 2, 5, 4, 1, 3)), (R, GROUP))
     return acc + tl.dot(codes, vt) * scale.to(tl.float32)[:, None]
 
 
@@ -129,8 +157,9 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, order_ptr, block_slot_ptr, block
             xt = _group_columns(x_ptr, token, pair_ok, kg, H, GROUP)  # [GROUP, BLOCK_M]
             acc_gate = _group_dot(gate_ptr, scale_ptr, rows, row_ok, kg, H, GROUP, xt, acc_gate)
             acc_up = _group_dot(gate_ptr, scale_ptr, rows + I, row_ok, kg, H, GROUP, xt, acc_up)
+    # act in dot order, as the down kernel reads it
     store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs[None, :], pair_ok[None, :], rows[:, None],
-              row_ok[:, None], I, BIAS, BIASES, CLAMPED_SWIGLU, ALPHA, LIMIT)
+              row_ok[:, None], _dot_place(rows)[:, None], I, BIAS, BIASES, CLAMPED_SWIGLU, ALPHA, LIMIT)
 
 
 @triton.jit
@@ -158,4 +187,4 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slo
                   outs[:, None], out_ok[:, None], H, BIAS, BIASES)
 
 
-KERNELS = GroupedKernels(_gate_up_kernel, _down_kernel, _operands, INT4_CONFIG)
+KERNELS = GroupedKernels(_gate_up_kernel, _down_kernel, _operands, INT4_CONFIG, dot_order)
