@@ -95,6 +95,18 @@ def test_dispatch_takes_the_int4_kernels_for_int4_experts_only(quant, dtype, h, 
 
 
 @needs_triton
+def test_dot_order_puts_each_column_where_the_dot_reads_it():
+    from moe_serve.engine.experts.grouped_int4 import dot_order
+
+    x = torch.arange(3 * 256, dtype=torch.float32).view(3, 256)  # two groups; each element its own index
+    got = dot_order(x)
+    for place in range(128):  # place 32m + 8i + 2t + p: word 4t + m, nibble i + 4p, column 32t + 8m + 4p + i
+        m, i, t, p = place // 32, place // 8 % 4, place // 2 % 4, place % 2
+        for group in (0, 1):
+            assert torch.equal(got[:, 128 * group + place], x[:, 128 * group + 32 * t + 8 * m + 4 * p + i])
+
+
+@needs_triton
 def test_loop_steps_of_part_of_a_group_are_refused():
     from moe_serve.engine.experts.grouped_experts import GroupedConfig, grouped_experts
 
