@@ -93,8 +93,8 @@ class Sequence:
             return True
         grammar, position = self.grammar, len(self.output_ids)
         if grammar is not None and grammar.complete_within(position):
-            # complete at the last token, which the batched runner's grammar worker consumed after
-            # this token was sampled (the mask allowed only EOS): the sequence ends as it would have there
+            # complete at the last token, which the batched runner consumed after this token was
+            # sampled (the mask allowed only EOS): the sequence ends as it would have there
             self.finish_reason = "stop"
             return True
         self.output_ids.append(token)
@@ -105,8 +105,6 @@ class Sequence:
             self.first_token_time = time.perf_counter()
         if token in self.params.stop_token_ids:
             self.finish_reason = "stop"
-        elif grammar is not None and grammar.queued <= position and grammar.advance(token):
-            self.finish_reason = "stop"  # the structured output is complete (a token no worker consumes)
         elif self.remaining <= 0 or self.num_tokens >= max_model_len:
             if grammar is not None:  # complete at this very token: that ending is "stop"
                 grammar.settle()

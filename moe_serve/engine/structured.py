@@ -10,8 +10,9 @@ valid ones; a failure that still happens here fails its own sequence, never its 
 A row's mask allows the tokens that keep the text a prefix of the language; once the text is a
 complete sentence llguidance also allows the tokenizer's EOS, and once nothing can follow, only
 EOS: the sequence then finishes ("stop") at the token that completed it, the EOS never emitted.
-(With 4 or more constrained rows a step's tokens are consumed on a worker thread while the engine
-goes on, and the engine learns of the completion one step later: that step's token is dropped.)
+(A step's tokens are consumed after the next step's forward is queued, on a worker thread while the
+engine goes on from 4 constrained rows, so the engine learns of the completion one step later: that
+step's token is dropped.)
 """
 from __future__ import annotations
 
@@ -67,29 +68,20 @@ def _choice_lark(spec: str) -> str:
 class GrammarMatcher:
     """One sequence's position in its grammar (MaskFiller reads its mask), advanced by each sampled token.
 
-    The batched runner hands a step's tokens to MaskFiller.follow, whose job on the FillWorker
-    consumes them and fills the next step's masks off the engine thread. So the engine learns that a
-    grammar completed one step late: Sequence.append then drops the token sampled after it (the mask
-    allowed only EOS) and finishes the sequence as it would have at the completing token."""
+    The batched runner hands a step's tokens to MaskFiller.follow, whose job consumes them with the
+    next step's fill (on the FillWorker, or once that step's forward is queued). So the engine learns
+    that a grammar completed one step late: Sequence.append then drops the token sampled after it
+    (the mask allowed only EOS) and finishes the sequence as it would have at the completing token.
+    A token the grammar refuses (only possible if the mask was bypassed) puts the matcher in its
+    error state, which the sequence's next fill reports."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size  # the tokenizer's: the width of this matcher's mask
-        self.queued = 0  # tokens handed to llguidance, consumed or on their way (engine thread)
         self.consumed = 0  # tokens llguidance consumed (written by whichever thread consumes them)
         self.complete_at: int | None = None  # `consumed` when nothing but EOS could follow any more
-        self.job: PendingMasks | None = None  # the follow job consuming this matcher's last queued token
+        self.job: PendingMasks | None = None  # the follow job consuming this matcher's last token
         self.failure: BaseException | None = None  # a follow job's consume that raised
-
-    def advance(self, token: int) -> bool:
-        """Consume a sampled token now; True once the grammar is complete (nothing but EOS may follow).
-
-        A token the grammar refuses (only possible if the mask was bypassed) puts the matcher in
-        its error state, which the sequence's next fill reports."""
-        self.settle()
-        self.queued += 1
-        self.consumed_one(self.matcher.consume_token(token))
-        return self.complete_at is not None
 
     def consumed_one(self, accepted: bool) -> None:
         """Count a token llguidance consumed (accepted: not refused), noting when the grammar completed."""
@@ -196,7 +188,8 @@ class PendingMasks:
     """A step's masks, filled either when the sampler asks for them (the forward is queued by then,
     so on CUDA the host fills while the device runs it) or on the FillWorker: handed to it when the
     step is scheduled, or, as a follow job (MaskFiller.follow), as soon as the step before read its
-    tokens back, which the job first consumes."""
+    tokens back. A follow job first consumes those tokens: on the worker, or, inline, when the next
+    step asks for its masks (or a sequence needs its grammar settled before)."""
 
     def __init__(self, executor: llguidance.LLExecutor, rows: list[tuple[int, GrammarMatcher]], size: int,
                  buffer: MaskBuffer, worker: FillWorker | None, tokens: list[int] | None = None) -> None:
@@ -206,13 +199,14 @@ class PendingMasks:
         self.buffer = buffer
         self.tokens = tokens  # a follow job's: each row's last sampled token, consumed before the fill
         self._error: BaseException | None = None
-        self._advanced: _thread.LockType | None = None
-        if tokens is not None:  # a follow job: always on the worker
-            self._advanced = _thread.allocate_lock()  # released once the tokens are consumed
-            self._advanced.acquire()
+        self._unconsumed = tokens is not None
+        self._advanced: _thread.LockType | None = None  # a follow job's on the worker
+        if tokens is not None:
             for _, grammar in rows:
-                grammar.queued += 1
                 grammar.job = self
+            if worker is not None:
+                self._advanced = _thread.allocate_lock()  # released once the tokens are consumed
+                self._advanced.acquire()
         self._filled = None if worker is None else worker.submit(self._fill)
 
     def serves(self, rows: list[tuple[int, GrammarMatcher]], size: int, buffer: MaskBuffer) -> bool:
@@ -239,20 +233,38 @@ class PendingMasks:
         _pass(self._filled)
 
     def wait_advanced(self) -> None:
-        """Until the worker consumed a follow job's tokens (at once for a fill without tokens)."""
+        """Until a follow job's tokens are consumed: by the worker, or, inline, now (at once for a fill
+        without tokens)."""
+        self.advance_inline()
         _pass(self._advanced)
+
+    def advance_inline(self) -> None:
+        """An inline follow job's tokens consumed now, if they were not yet. One that fails is recorded
+        in each matcher, whose next check() reports it."""
+        if self._filled is None:
+            try:
+                self._advance()
+            except BaseException:  # noqa: S110 - reported by the matchers' checks
+                pass
+
+    def _advance(self) -> None:
+        """Consume a follow job's tokens, once."""
+        if not self._unconsumed:
+            return
+        self._unconsumed = False
+        try:
+            self._consume()
+        except BaseException as exc:  # tokens maybe not consumed: each sequence fails at its next mask
+            for _, grammar in self.rows:
+                grammar.failure = exc
+            raise
+        finally:
+            if self._advanced is not None:
+                self._advanced.release()
 
     def _fill(self) -> None:
         try:
-            if self._advanced is not None:
-                try:
-                    self._consume()
-                except BaseException as exc:  # tokens maybe not consumed: each sequence fails at its next mask
-                    for _, grammar in self.rows:
-                        grammar.failure = exc
-                    raise
-                finally:
-                    self._advanced.release()
+            self._advance()
             bits = self.buffer.writable(self.size)  # [B, W]
             if len(self.rows) < self.size:  # a row without a grammar allows every token
                 bits.fill_(-1)
@@ -315,7 +327,7 @@ class MaskFiller:
     thread when the sampler asks, once the forward is queued; one with more hands its fill to the
     FillWorker as it is scheduled, and the sampler waits for it as late as it can (sampler.sample).
     Such a step's tokens go back to the worker at once (follow), which consumes them and fills the next
-    step's masks before that step is even scheduled.
+    step's masks before that step is even scheduled; a smaller step's are consumed with the next fill.
 
     Why the split. A worker's hand-offs (a wake-up there, the GIL, a wake-up back) cost the engine
     thread more than a fill of a row or two: a lone row of the default model's 8k vocabulary takes
@@ -353,12 +365,15 @@ class MaskFiller:
         until the next step's fill."""
         rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
         follow, self._follow = self._follow, None
+        if rows:
+            width = (rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
+            buffer = self._buffer(len(grammars), width, device)
+            if follow is not None and follow.serves(rows, len(grammars), buffer):
+                return follow
+        if follow is not None:  # not this step's masks: its tokens, if inline, are consumed before any
+            follow.advance_inline()  # fill reads the matchers (the worker's go before its next job)
         if not rows:
             return None
-        width = (rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
-        buffer = self._buffer(len(grammars), width, device)
-        if follow is not None and follow.serves(rows, len(grammars), buffer):
-            return follow
         worker = self.worker if len(rows) >= self.ahead_from_rows else None
         if worker is None and self._latest is not None:  # an inline fill reads matchers and writes rows
             self._latest.wait()  # that the worker's last job may still be at
@@ -368,17 +383,19 @@ class MaskFiller:
         return masks
 
     def follow(self, masks: PendingMasks, tokens: Sequence[int]) -> None:
-        """A step's sampled tokens [B] are back: the worker consumes each constrained row's token, then
-        fills the masks of a next step with the same rows, which pending() hands out if it has them
-        (a batch changes when a sequence joins or leaves; else the worker's fill is simply redone).
-        The engine thread goes on meanwhile: its outputs, the next step's scheduling and forward.
-        Below ahead_from_rows rows the hand-offs cost more (H100: one sequence at 1.23-1.37x
-        unconstrained through the worker, 1.24-1.27x consuming on the engine thread): Sequence.append
-        consumes those tokens."""
-        if len(masks.rows) < self.ahead_from_rows:
-            return
-        self._follow = self._latest = PendingMasks(self.executor, masks.rows, masks.size, masks.buffer, self.worker,
-                                                   [tokens[i] for i, _ in masks.rows])
+        """A step's sampled tokens [B] are back: each constrained row's token is consumed, then the masks
+        of a next step with the same rows filled, which pending() hands out if it has them (a batch
+        changes when a sequence joins or leaves; else the fill is simply redone). From ahead_from_rows
+        rows the worker does both at once, while the engine thread builds its outputs, schedules and
+        launches the next forward; with fewer, the hand-offs cost more (H100: one sequence at
+        1.23-1.37x unconstrained through the worker, 1.24-1.27x consuming on the engine thread), and
+        the engine thread does both when the next step asks for its masks, its forward queued: the
+        tokens are consumed while the device runs it, not after the step, while the device idles."""
+        worker = self.worker if len(masks.rows) >= self.ahead_from_rows else None
+        self._follow = PendingMasks(self.executor, masks.rows, masks.size, masks.buffer, worker,
+                                    [tokens[i] for i, _ in masks.rows])
+        if worker is not None:
+            self._latest = self._follow
 
     def _buffer(self, size: int, width: int, device: torch.device) -> MaskBuffer:
         if self.buffer is None or not self.buffer.fits(size, width, device):

@@ -185,7 +185,8 @@ def test_a_step_without_a_grammar_skips_the_mask_path(core: EngineCore, monkeypa
 def test_each_filled_row_is_its_matchers_own_mask(tiny_model: Path, ahead_from_rows: int) -> None:
     grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
     matchers = [grammars.matcher(s) for s in STRUCTURED]
-    matchers[0].advance(AutoTokenizer.from_pretrained(tiny_model).encode("{", add_special_tokens=False)[0])
+    [brace] = AutoTokenizer.from_pretrained(tiny_model).encode("{", add_special_tokens=False)
+    matchers[0].matcher.consume_token(brace)
     rows = [matchers[0], None, *matchers[1:], None]
     filler = MaskFiller()
     filler.ahead_from_rows = ahead_from_rows
@@ -221,11 +222,15 @@ def test_the_kept_buffer_leaves_no_row_of_an_earlier_step(tiny_model: Path, devi
         assert_own_rows(filler.pending(rows, torch.device(device)), rows)
 
 
-def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(tiny_model: Path) -> None:
+@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
+def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(tiny_model: Path,
+                                                                         ahead_from_rows: int) -> None:
     grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
     matchers = [grammars.matcher(s) for s in STRUCTURED]
     rows, cpu = [matchers[0], None, *matchers[1:]], torch.device("cpu")
     filler = MaskFiller()
+    filler.ahead_from_rows = ahead_from_rows
+    inline = ahead_from_rows > len(matchers)
     masks = filler.pending(rows, cpu)
     assert masks is not None
     bits = masks.result().bits
@@ -233,15 +238,42 @@ def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(tiny_mo
     tokens = [int(torch.signbit(row.unsqueeze(-1) << torch.arange(31, -1, -1, dtype=torch.int32)).flatten()
                   .nonzero().max()) for row in bits]
     filler.follow(masks, tokens)
-    following = filler.pending(rows, cpu)  # the same rows: the worker's fill, after it consumed the tokens
+    following = filler.pending(rows, cpu)  # the same rows: the follow job's fill, after it consumed the tokens
     assert following is not None and following.tokens == [tokens[i] for i, _ in masks.rows]
+    if inline:  # consumed by the fill the next step asks for (its forward queued), not before
+        assert [g.consumed for g in matchers] == [0] * len(matchers)
     assert_own_rows(following, rows)
-    assert [(g.queued, g.consumed) for g in matchers] == [(1, 1)] * len(matchers)
+    assert [g.consumed for g in matchers] == [1] * len(matchers)
     filler.follow(following, [5] * len(rows))  # refused by some grammars: their next fill reports it
-    reordered = [rows[2], rows[0], None, rows[3]]  # a changed batch: filled again, after the worker consumed
+    reordered = [rows[2], rows[0], None, rows[3]]  # a changed batch: filled again, after the tokens are consumed
     with pytest.raises(GrammarError, match="constrained decoding failed"):
         filler.pending(reordered, cpu).result()
     assert [g.consumed for g in matchers] == [2] * len(matchers)
+
+
+def test_an_inline_follow_job_is_consumed_by_a_settle_or_a_step_without_its_rows(tiny_model: Path) -> None:
+    """A sequence that ends by length settles its grammar at once; a step that leaves a sequence out (or has
+    no constrained row) still consumes its token before any fill reads a matcher."""
+    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    cpu = torch.device("cpu")
+    for ending in ("settle", "other rows", "no rows"):
+        matchers = [grammars.matcher(StructuredOutput("regex", "ab+")) for _ in range(2)]
+        filler = MaskFiller()
+        masks = filler.pending(matchers, cpu)
+        masks.result()
+        [a] = tokenizer.encode("a", add_special_tokens=False)
+        filler.follow(masks, [a, a])
+        assert [g.consumed for g in matchers] == [0, 0]
+        if ending == "settle":
+            matchers[0].settle()
+        elif ending == "other rows":
+            assert_own_rows(filler.pending([matchers[1]], cpu), [matchers[1]])
+        else:
+            assert filler.pending([None, None], cpu) is None
+        assert [g.consumed for g in matchers] == [1, 1], ending
+        assert not matchers[1].matcher.is_error() and matchers[1].matcher.compute_bitmask() != \
+            grammars.matcher(StructuredOutput("regex", "ab+")).matcher.compute_bitmask()
 
 
 class FailingConsume:

@@ -198,7 +198,7 @@ def accepts(grammars: Grammars, tokenizer: Tokenizer, structured: StructuredOutp
     grammars.check(structured)
     matcher = grammars.matcher(structured)
     for token in tokenizer.encode(text, add_special_tokens=False):
-        matcher.advance(token)
+        matcher.matcher.consume_token(token)
     try:
         matcher.check()
     except GrammarError:
