@@ -244,7 +244,7 @@ class PendingMasks:
         if self._filled is None:
             try:
                 self._advance()
-            except BaseException:  # noqa: S110 - reported by the matchers' checks
+            except Exception:  # noqa: S110 - reported by the matchers' checks
                 pass
 
     def _advance(self) -> None:
