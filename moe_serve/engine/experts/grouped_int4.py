@@ -86,7 +86,7 @@ def dot_order(x: torch.Tensor) -> torch.Tensor:
     """x [T, H] with each group's 128 columns in dot order (GroupedKernels.inputs): place
     32m + 8i + 2t + p holds column 32t + 8m + 4p + i (m, i, t < 4; p < 2)."""
     t, h = x.shape
-    return x.view(t, h // GROUP_SIZE, 4, 4, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(t, h)
+    return x.reshape(t, h // GROUP_SIZE, 4, 4, 2, 4).permute(0, 1, 3, 5, 2, 4).reshape(t, h)  # a contiguous copy
 
 
 @triton.jit
