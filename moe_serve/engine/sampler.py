@@ -200,7 +200,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     logits = _adjusted(logits.float(), batch)  # [B, V]
     logp = None if top is None else torch.log_softmax(logits, dim=-1)  # [B, V]
     if logits.is_cuda and not batch.truncates:  # race.py: one kernel (two with greedy and sampled rows)
-        return _with_logprobs(_race(logits, batch, None if allowed is None else allowed()), logp, batch)
+        return _with_logprobs(_race(logits, batch, None if allowed is None else allowed()), logp, top, batch)
     noise = exponential_noise(batch.noise_key, logits.shape[-1]) if batch.num_sampled else None  # [S, V]
     candidates = logits if allowed is None else allowed().restrict(logits)  # [B, V]
     if batch.num_sampled == batch.size:
@@ -210,7 +210,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
         if batch.num_sampled:
             tokens.index_copy_(0, batch.sampled_rows,
                                _draw(candidates.index_select(0, batch.sampled_rows), batch, noise))
-    return _with_logprobs(tokens, logp, batch)
+    return _with_logprobs(tokens, logp, top, batch)
 
 
 def _race(logits: torch.Tensor, batch: SamplingBatch, mask: TokenMask | None) -> torch.Tensor:
@@ -223,12 +223,14 @@ def _race(logits: torch.Tensor, batch: SamplingBatch, mask: TokenMask | None) ->
     return tokens
 
 
-def _with_logprobs(tokens: torch.Tensor, logp: torch.Tensor | None, batch: SamplingBatch) -> SampledTokens:
-    """The chosen tokens [B] with their logprobs and the top alternatives, read off logp [B, V]."""
+def _with_logprobs(tokens: torch.Tensor, logp: torch.Tensor | None, top: int | None,
+                   batch: SamplingBatch) -> SampledTokens:
+    """The chosen tokens [B] with their logprobs and the top alternatives (batch.max_logprobs: top),
+    read off logp [B, V]."""
     if logp is None:
         return SampledTokens(tokens, None, None, None, batch.logprobs)
     chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
-    top_logprobs, top_ids = ranked_top_logprobs(logp, batch.max_logprobs)  # [B, N]
+    top_logprobs, top_ids = ranked_top_logprobs(logp, top)  # [B, N]
     return SampledTokens(tokens, chosen, top_ids, top_logprobs, batch.logprobs)
 
 
