@@ -68,24 +68,17 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
         constants = {**format_constants, "BLOCK_I": cfg.gate_up_rows, "BLOCK_H": cfg.gate_up_cols,
                      "DOT": fmt.triton_load if dot is None else dot, "USE_DOT": dot is not None}
         rows, cols, options = cfg.gate_up_rows, cfg.gate_up_cols, {"num_warps": cfg.gate_up_warps}
-    elif kernel == "grouped-int4":
-        cfg = grouped_int4.INT4_CONFIG
-        fn = grouped_int4._gate_up_kernel
+    else:  # a grouped kernel: the block layout's pointers, GroupedConfig's tiles
         pointers = {"x_ptr": "*bf16", **operands, **{name: "*i32" for name in (
             "order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr", "num_blocks_ptr")}, "act_ptr": "*bf16"}
+        if kernel == "grouped-int4":
+            cfg, fn, decode = grouped_int4.INT4_CONFIG, grouped_int4._gate_up_kernel, {"GROUP": GROUP_SIZE}
+        else:
+            cfg, fn = grouped_experts.default_config(HIDDEN, INTERMEDIATE), grouped_experts._gate_up_kernel
+            codes = fmt.triton_codes_for(HIDDEN, cfg.gate_up_block_h)  # as grouped_experts._with_codes (bf16 x)
+            decode = {"CODES": fmt.triton_load if codes is None else codes, "USE_CODES": codes is not None}
         constants = {**format_constants, "BLOCK_M": cfg.block_m, "BLOCK_I": cfg.gate_up_block_i,
-                     "BLOCK_H": cfg.gate_up_block_h, "GROUP": GROUP_SIZE}
-        rows, cols = cfg.gate_up_block_i, cfg.gate_up_block_h
-        options = {"num_warps": cfg.gate_up_warps, "num_stages": cfg.gate_up_stages}
-    else:
-        cfg = grouped_experts.default_config(HIDDEN, INTERMEDIATE)
-        fn = grouped_experts._gate_up_kernel
-        pointers = {"x_ptr": "*bf16", **operands, **{name: "*i32" for name in (
-            "order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr", "num_blocks_ptr")}, "act_ptr": "*bf16"}
-        codes = fmt.triton_codes_for(HIDDEN, cfg.gate_up_block_h)  # as grouped_experts._with_codes (bf16 x)
-        constants = {**format_constants, "BLOCK_M": cfg.block_m, "BLOCK_I": cfg.gate_up_block_i,
-                     "BLOCK_H": cfg.gate_up_block_h, "CODES": fmt.triton_load if codes is None else codes,
-                     "USE_CODES": codes is not None}
+                     "BLOCK_H": cfg.gate_up_block_h, **decode}
         rows, cols = cfg.gate_up_block_i, cfg.gate_up_block_h
         options = {"num_warps": cfg.gate_up_warps, "num_stages": cfg.gate_up_stages}
     constants = {name: value for name, value in constants.items() if name in fn.arg_names}
