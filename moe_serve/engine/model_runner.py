@@ -107,7 +107,7 @@ class ModelRunner:
                                                  chunks[i].seq.prompt_ids) for i in sampling], self.device)
         # the masks are waited for (or, with few constrained rows, filled) inside: as late as they can be
         tokens, logprobs = sample(logits.float(), batch, None if masks is None else masks.result).to_host()
-        if masks is not None:  # the worker consumes the tokens and fills the next step's masks meanwhile
+        if masks is not None:  # consumed with the next step's fill (on the worker from 4 rows, meanwhile)
             self.masks.follow(masks, tokens)
         return {i: Sampled(token, logprob) for i, token, logprob in zip(sampling, tokens, logprobs)}
 
