@@ -198,6 +198,12 @@ class PendingMasks:
         self.size = size  # the batch's rows, constrained or not
         self.buffer = buffer
         self.tokens = tokens  # a follow job's: each row's last sampled token, consumed before the fill
+        # The executor's calls hand their rows to its thread pool, whose threads sleep between steps: a
+        # lone row's fill measured 18.6 us through it a millisecond after the last call against 6.1 us
+        # in the matcher's own call (2-core CPU host, a probe's walks of the default model's grammar,
+        # 1 ms of busy host work before each call; its consume 6.9 against 2.0). So a job on the
+        # engine thread, with few rows, calls each matcher; one on the worker makes one call for all.
+        self.on_worker = worker is not None
         self._error: BaseException | None = None
         self._unconsumed = tokens is not None
         self._advanced: _thread.LockType | None = None  # a follow job's on the worker
@@ -268,14 +274,22 @@ class PendingMasks:
             bits = self.buffer.writable(self.size)  # [B, W]
             if len(self.rows) < self.size:  # a row without a grammar allows every token
                 bits.fill_(-1)
-            self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in self.rows], bits.data_ptr(),
-                                                  self.buffer.width * 4, self.size)
+            row_bytes = self.buffer.width * 4
+            if self.on_worker:
+                self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in self.rows], bits.data_ptr(),
+                                                      row_bytes, self.size)
+            else:
+                for i, grammar in self.rows:
+                    grammar.matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
         except BaseException as exc:  # raised on the engine thread, by result()
             self._error = exc
 
     def _consume(self) -> None:
-        """Each row's token, in one llguidance call off the GIL."""
-        accepted = self.executor.consume_token_par([(g.matcher, t) for (_, g), t in zip(self.rows, self.tokens)])
+        """Each row's token: on the worker in one llguidance call off the GIL, else matcher by matcher."""
+        if self.on_worker:
+            accepted = self.executor.consume_token_par([(g.matcher, t) for (_, g), t in zip(self.rows, self.tokens)])
+        else:
+            accepted = [g.matcher.consume_token(t) for (_, g), t in zip(self.rows, self.tokens)]
         for (_, grammar), ok in zip(self.rows, accepted):
             grammar.consumed_one(ok)
 
@@ -322,12 +336,13 @@ class FillWorker:
 
 class MaskFiller:
     """Fills each step's masks into one MaskBuffer kept for the engine's life (grown with its largest
-    batch): llguidance computes the constrained rows on its own threads (a lone row on the calling
-    thread), off the GIL. A step with fewer than ahead_from_rows constrained rows fills on the engine
-    thread when the sampler asks, once the forward is queued; one with more hands its fill to the
-    FillWorker as it is scheduled, and the sampler waits for it as late as it can (sampler.sample).
-    Such a step's tokens go back to the worker at once (follow), which consumes them and fills the next
-    step's masks before that step is even scheduled; a smaller step's are consumed with the next fill.
+    batch): llguidance computes the constrained rows off the GIL, on its executor's threads for a job on
+    the worker, matcher by matcher for one on the engine thread. A step with fewer than
+    ahead_from_rows constrained rows fills on the engine thread when the sampler asks, once the
+    forward is queued; one with more hands its fill to the FillWorker as it is scheduled, and the
+    sampler waits for it as late as it can (sampler.sample). Such a step's tokens go back to the
+    worker at once (follow), which consumes them and fills the next step's masks before that step is
+    even scheduled; a smaller step's are consumed with the next fill.
 
     Why the split. A worker's hand-offs (a wake-up there, the GIL, a wake-up back) cost the engine
     thread more than a fill of a row or two: a lone row of the default model's 8k vocabulary takes
