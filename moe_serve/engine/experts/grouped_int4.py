@@ -23,10 +23,12 @@ each byte's two nibbles into column order, which left each thread's bytes 4 apar
 loads from shared memory a step. Counted in the sm_90 SASS of the K loop at the Mixtral shape
 (`python bench/kernel_sass.py --kernel grouped-int4`, bench/results/quant/kernel_sass-grouped-int4-sm90*.json),
 gate/up went from 718 to 400 instructions a step (5.6 to 3.1 a weight; down's, counted likewise,
-from 788 to 475); the change is not yet timed on a GPU.
+from 788 to 475). In one H100 call (bench/quant_experts.py, the kernels of column order from a copy
+of their tree) the Mixtral-size layer call took 0.413 -> 0.360, 0.478 -> 0.426 and 0.688 -> 0.475
+ms at 8, 32 and 64 tokens: 2.15x, 2.15x and 2.03x bf16's (1.88x, 1.91x and 1.41x before).
 
-On an H100 the kernels of column order ran a Mixtral-size layer call 1.14-1.17x faster than the
-decoded tiles at 8-64 tokens (grouped_experts.py's docstring has the numbers). Against the same
+The kernels of column order ran that call 1.14-1.17x faster than the decoded tiles at 8-64 tokens
+on an H100 (grouped_experts.py's docstring has the numbers). Against the same
 decoded tiles, other ways ran about 0.90x (two dots of K = 64, the nibbles left out of order,
 against x's even and odd elements), 1.06x (codes made by inline PTX), 1.0x (codes 128 + n, 136
 sum(x) taken off each product) and 0.72x (an fp32 decode).
@@ -54,11 +56,13 @@ from moe_serve.engine.experts.grouped_experts import (
 )
 from moe_serve.engine.experts.layout import MATRICES, ExpertLayout
 
-# the best tiles of each kernel at 32 tokens in the H100 sweep of (BLOCK_N, BLOCK_K, warps, stages) over
-# (128, 128, 4, 3), (64, 256, 4, 3), (128, 256, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3), (128, 128, 8, 4)
-# (Mixtral size): gate/up 0.311 ms under (64, 128, 4, 4), 0.337 at best with 128 rows; down 0.172 ms under
-# (64, 256, 4, 3) (two chunks of I), 0.184-0.232 under the others
-INT4_CONFIG = GroupedConfig(block_m=16, gate_up_block_i=64, gate_up_block_h=128, gate_up_warps=4, gate_up_stages=4,
+# the best tiles of each kernel at 32 tokens (Mixtral size, H100), as (BLOCK_N, BLOCK_K, warps, stages).
+# In dot order (bench/quant_experts.py --sweep, bench/results/quant/quant_sweep-int4-h100-dot-order.json,
+# the whole layer call timed): gate/up's K step of two groups, (64, 256, 4, 3), 0.363 ms against 0.427
+# under column order's best, (64, 128, 4, 4), and 0.376-0.672 under the other four; down's tiles held,
+# 0.359 against 0.366-0.498. (Column order's sweep had also tried (128, 128, 4, 3), (128, 256, 4, 3)
+# and (128, 128, 8, 4): none was the best of either kernel.)
+INT4_CONFIG = GroupedConfig(block_m=16, gate_up_block_i=64, gate_up_block_h=256, gate_up_warps=4, gate_up_stages=3,
                             down_block_h=64, down_block_i=256, down_warps=4, down_stages=3)
 
 
