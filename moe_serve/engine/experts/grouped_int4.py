@@ -25,7 +25,8 @@ loads from shared memory a step. Counted in the sm_90 SASS of the K loop at the 
 gate/up went from 718 to 400 instructions a step (5.6 to 3.1 a weight; down's, counted likewise,
 from 788 to 475). In one H100 call (bench/quant_experts.py, the kernels of column order from a copy
 of their tree) the Mixtral-size layer call took 0.413 -> 0.360, 0.478 -> 0.426 and 0.688 -> 0.475
-ms at 8, 32 and 64 tokens: 2.15x, 2.15x and 2.03x bf16's (1.88x, 1.91x and 1.41x before).
+ms at 8, 32 and 64 tokens: 2.15x, 2.15x and 2.03x bf16's (1.88x, 1.91x and 1.41x before); with
+INT4_CONFIG's tiles of the sweep that followed, 2.51x, 2.54x and 2.09x (a later call, bf16 beside it).
 
 The kernels of column order ran that call 1.14-1.17x faster than the decoded tiles at 8-64 tokens
 on an H100 (grouped_experts.py's docstring has the numbers). Against the same
