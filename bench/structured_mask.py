@@ -8,10 +8,10 @@ through the engine's own MaskFiller. Per step it times, all on the engine thread
 constrained rows, the fill (the pinned buffer, llguidance over the rows, the checks; on CUDA the
 device runs the forward meanwhile), the sampler with and without the masks (on CUDA one kernel
 either way, race.py; on a CPU the torch ops; the two in alternating order, since the first
-sampler call after a fill runs slower on a CPU), and advancing the matchers (one consume_token_par
-over the rows, here on the engine thread: the engine's follow jobs consume them with the next
-step's fill, on its worker from 4 rows, MaskFiller.follow). overhead_us_per_step
-is their sum: what a step pays for its masks.
+sampler call after a fill runs slower on a CPU), and advancing the matchers (here on the engine
+thread: one consume_token_par over the rows from 4 rows, else matcher by matcher, as the engine's
+follow jobs consume them with the next step's fill, on its worker from 4 rows, MaskFiller.follow).
+overhead_us_per_step is their sum: what a step pays for its masks.
 --vocab pads the logits (and mask) width to a real model's, since the embedded default model's
 tokenizer has only 8192 tokens. engine: B requests through EngineCore on --model, constrained to a fixed-length
 JSON array vs unconstrained, same tokens each, in alternating rounds; the median step time while
@@ -83,10 +83,15 @@ def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device
         host_bits = mask.bits.cpu()
         chosen = [rng.choice(allowed_ids(host_bits[k])) for k in range(batch)]  # a random allowed path
         t3 = time.perf_counter()
-        # one llguidance call over the rows, as the engine's follow jobs consume a step's tokens
-        accepted = filler.executor.consume_token_par([(g.matcher, t) for g, t in zip(matchers, chosen)])
+        # as the engine's follow jobs consume a step's tokens: one llguidance call over the rows from
+        # the worker's row count, else matcher by matcher (structured.PendingMasks)
+        if batch >= MaskFiller.ahead_from_rows:
+            accepted = filler.executor.consume_token_par([(g.matcher, t) for g, t in zip(matchers, chosen)])
+        else:
+            accepted = [g.matcher.consume_token(t) for g, t in zip(matchers, chosen)]
         complete = [ok and grammar.matcher.is_stopped() for grammar, ok in zip(matchers, accepted)]
         t4 = time.perf_counter()
+        assert all(accepted), "a token the mask allowed was refused by its grammar"
         matchers = [grammars.matcher(structured) if done or grammar.matcher.is_accepting() else grammar
                     for grammar, done in zip(matchers, complete)]  # complete: start the next document
         if step == 0:
