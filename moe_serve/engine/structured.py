@@ -22,6 +22,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import cached_property
 
 import llguidance
@@ -83,10 +84,11 @@ class GrammarMatcher:
         self.job: PendingMasks | None = None  # the follow job consuming this matcher's last token
         self.failure: BaseException | None = None  # a follow job's consume that raised
 
-    def consumed_one(self, accepted: bool) -> None:
-        """Count a token llguidance consumed (accepted: not refused), noting when the grammar completed."""
+    def consumed_one(self, accepted: bool, stopped: bool) -> None:
+        """Count a token llguidance consumed (accepted: not refused), noting when the grammar completed
+        (stopped: the matcher's is_stopped() after it)."""
         self.consumed += 1
-        if accepted and self.complete_at is None and self.matcher.is_stopped():
+        if accepted and stopped and self.complete_at is None:
             self.complete_at = self.consumed
 
     def settle(self) -> None:
@@ -172,7 +174,9 @@ class MaskBuffer:
         return self.rows(size)
 
     def wait_for_reads(self) -> None:
-        if self.read is not None:
+        # queried first: the reads are done by the time a fill comes (a step reads its tokens back after
+        # them), and a wait would let go of the GIL, which the worker then waits to take back
+        if self.read is not None and not self.read.query():
             self.read.synchronize()
 
     def rows(self, size: int) -> torch.Tensor:
@@ -184,6 +188,29 @@ class MaskBuffer:
         return rows
 
 
+@dataclass(frozen=True, eq=False)
+class StepGrammars:
+    """A step's sampling rows as the masks see them, made once per batch (a follow job shares its step's)."""
+
+    grammars: list[GrammarMatcher | None]  # every row's, None where a row has none
+    rows: list[tuple[int, GrammarMatcher]]  # the constrained rows: (row of the batch, its matcher)
+    constrained: list[GrammarMatcher]  # their matchers, in the order of rows
+    matchers: list[llguidance.LLMatcher]  # and llguidance's
+    targets: list[tuple[llguidance.LLMatcher, int]]  # (llguidance's, its row): the executor's fill
+
+    @classmethod
+    def of(cls, grammars: Sequence[GrammarMatcher | None]) -> "StepGrammars":
+        rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
+        constrained = [grammar for _, grammar in rows]
+        matchers = [grammar.matcher for grammar in constrained]
+        return cls(list(grammars), rows, constrained, matchers, [(m, i) for m, (i, _) in zip(matchers, rows)])
+
+    @property
+    def size(self) -> int:
+        """The batch's rows, constrained or not."""
+        return len(self.grammars)
+
+
 class PendingMasks:
     """A step's masks, filled either when the sampler asks for them (the forward is queued by then,
     so on CUDA the host fills while the device runs it) or on the FillWorker: handed to it when the
@@ -191,11 +218,10 @@ class PendingMasks:
     tokens back. A follow job first consumes those tokens: on the worker, or, inline, when the next
     step asks for its masks (or a sequence needs its grammar settled before)."""
 
-    def __init__(self, executor: llguidance.LLExecutor, rows: list[tuple[int, GrammarMatcher]], size: int,
-                 buffer: MaskBuffer, worker: FillWorker | None, tokens: list[int] | None = None) -> None:
+    def __init__(self, executor: llguidance.LLExecutor, step: StepGrammars, buffer: MaskBuffer,
+                 worker: FillWorker | None, tokens: list[int] | None = None) -> None:
         self.executor = executor
-        self.rows = rows  # the constrained rows: (row of the batch, its matcher)
-        self.size = size  # the batch's rows, constrained or not
+        self.step = step
         self.buffer = buffer
         self.tokens = tokens  # a follow job's: each row's last sampled token, consumed before the fill
         # The executor's calls hand their rows to its thread pool, whose threads sleep between steps: a
@@ -208,17 +234,12 @@ class PendingMasks:
         self._unconsumed = tokens is not None
         self._advanced: _thread.LockType | None = None  # a follow job's on the worker
         if tokens is not None:
-            for _, grammar in rows:
+            for grammar in self.step.constrained:
                 grammar.job = self
             if worker is not None:
                 self._advanced = _thread.allocate_lock()  # released once the tokens are consumed
                 self._advanced.acquire()
         self._filled = None if worker is None else worker.submit(self._fill)
-
-    def serves(self, rows: list[tuple[int, GrammarMatcher]], size: int, buffer: MaskBuffer) -> bool:
-        """Whether these are a step's masks: the same matchers in the same rows of a batch as large."""
-        return (size == self.size and buffer is self.buffer and len(rows) == len(self.rows)
-                and all(i == j and g is h for (i, g), (j, h) in zip(rows, self.rows)))
 
     def result(self) -> TokenMask:
         """The filled masks. They hold until the next step's fill. A matcher broken by its last token,
@@ -230,9 +251,9 @@ class PendingMasks:
             self.wait()
         if self._error is not None:
             raise self._error
-        for _, grammar in self.rows:
+        for grammar in self.step.constrained:
             grammar.check()
-        return TokenMask(self.buffer.rows(self.size), self.buffer.read)
+        return TokenMask(self.buffer.rows(self.step.size), self.buffer.read)
 
     def wait(self) -> None:
         """Until the worker ran this job (at once for an inline one, which fills in result())."""
@@ -261,7 +282,7 @@ class PendingMasks:
         try:
             self._consume()
         except BaseException as exc:  # tokens maybe not consumed: each sequence fails at its next mask
-            for _, grammar in self.rows:
+            for grammar in self.step.constrained:
                 grammar.failure = exc
             raise
         finally:
@@ -271,27 +292,27 @@ class PendingMasks:
     def _fill(self) -> None:
         try:
             self._advance()
-            bits = self.buffer.writable(self.size)  # [B, W]
-            if len(self.rows) < self.size:  # a row without a grammar allows every token
+            bits = self.buffer.writable(self.step.size)  # [B, W]
+            if len(self.step.rows) < self.step.size:  # a row without a grammar allows every token
                 bits.fill_(-1)
             row_bytes = self.buffer.width * 4
             if self.on_worker:
-                self.executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in self.rows], bits.data_ptr(),
-                                                      row_bytes, self.size)
+                self.executor.unsafe_compute_mask_ptr(self.step.targets, bits.data_ptr(), row_bytes, self.step.size)
             else:
-                for i, grammar in self.rows:
-                    grammar.matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
+                for (i, _), matcher in zip(self.step.rows, self.step.matchers):
+                    matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
         except BaseException as exc:  # raised on the engine thread, by result()
             self._error = exc
 
     def _consume(self) -> None:
         """Each row's token: on the worker in one llguidance call off the GIL, else matcher by matcher."""
         if self.on_worker:
-            accepted = self.executor.consume_token_par([(g.matcher, t) for (_, g), t in zip(self.rows, self.tokens)])
+            accepted = self.executor.consume_token_par(list(zip(self.step.matchers, self.tokens)))
         else:
-            accepted = [g.matcher.consume_token(t) for (_, g), t in zip(self.rows, self.tokens)]
-        for (_, grammar), ok in zip(self.rows, accepted):
-            grammar.consumed_one(ok)
+            accepted = list(map(llguidance.LLMatcher.consume_token, self.step.matchers, self.tokens))
+        stopped = map(llguidance.LLMatcher.is_stopped, self.step.matchers)  # in C: the worker holds the GIL here
+        for grammar, ok, stop in zip(self.step.constrained, accepted, stopped):
+            grammar.consumed_one(ok, stop)
 
 
 def _pass(done: _thread.LockType | None) -> None:
@@ -378,21 +399,20 @@ class MaskFiller:
         by result(); None (and no work) when no row is constrained. A fill only reads the matchers,
         so a step that fails before result() leaves them as they were. The TokenMask it gives holds
         until the next step's fill."""
-        rows = [(i, g) for i, g in enumerate(grammars) if g is not None]
         follow, self._follow = self._follow, None
-        if rows:
-            width = (rows[0][1].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
-            buffer = self._buffer(len(grammars), width, device)
-            if follow is not None and follow.serves(rows, len(grammars), buffer):
-                return follow
+        if follow is not None and follow.step.grammars == grammars:  # the same matchers in the same rows: its masks
+            return follow
+        step = StepGrammars.of(grammars)
         if follow is not None:  # not this step's masks: its tokens, if inline, are consumed before any
             follow.advance_inline()  # fill reads the matchers (the worker's go before its next job)
-        if not rows:
+        if not step.rows:
             return None
-        worker = self.worker if len(rows) >= self.ahead_from_rows else None
+        width = (step.constrained[0].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
+        buffer = self._buffer(step.size, width, device)
+        worker = self.worker if len(step.rows) >= self.ahead_from_rows else None
         if worker is None and self._latest is not None:  # an inline fill reads matchers and writes rows
             self._latest.wait()  # that the worker's last job may still be at
-        masks = PendingMasks(self.executor, rows, len(grammars), buffer, worker)
+        masks = PendingMasks(self.executor, step, buffer, worker)
         if worker is not None:
             self._latest = masks
         return masks
@@ -406,9 +426,9 @@ class MaskFiller:
         1.23-1.37x unconstrained through the worker, 1.24-1.27x consuming on the engine thread), and
         the engine thread does both when the next step asks for its masks, its forward queued: the
         tokens are consumed while the device runs it, not after the step, while the device idles."""
-        worker = self.worker if len(masks.rows) >= self.ahead_from_rows else None
-        self._follow = PendingMasks(self.executor, masks.rows, masks.size, masks.buffer, worker,
-                                    [tokens[i] for i, _ in masks.rows])
+        worker = self.worker if len(masks.step.rows) >= self.ahead_from_rows else None
+        self._follow = PendingMasks(self.executor, masks.step, masks.buffer, worker,
+                                    [tokens[i] for i, _ in masks.step.rows])
         if worker is not None:
             self._latest = self._follow
 

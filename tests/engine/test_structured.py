@@ -239,7 +239,7 @@ def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(tiny_mo
                   .nonzero().max()) for row in bits]
     filler.follow(masks, tokens)
     following = filler.pending(rows, cpu)  # the same rows: the follow job's fill, after it consumed the tokens
-    assert following is not None and following.tokens == [tokens[i] for i, _ in masks.rows]
+    assert following is not None and following.tokens == [tokens[i] for i, _ in masks.step.rows]
     if inline:  # consumed by the fill the next step asks for (its forward queued), not before
         assert [g.consumed for g in matchers] == [0] * len(matchers)
     assert_own_rows(following, rows)
