@@ -27,6 +27,9 @@ from 788 to 475). In one H100 call (bench/quant_experts.py, the kernels of colum
 of their tree) the Mixtral-size layer call took 0.413 -> 0.360, 0.478 -> 0.426 and 0.688 -> 0.475
 ms at 8, 32 and 64 tokens: 2.15x, 2.15x and 2.03x bf16's (1.88x, 1.91x and 1.41x before); with
 INT4_CONFIG's tiles of the sweep that followed, 2.51x, 2.54x and 2.09x (a later call, bf16 beside it).
+Where a tile divides its dim (K, a gate/up tile's rows of I, a down tile's outputs of H: the Mixtral
+shape's at the default tiles) the loads drop that mask (EVEN, _inside), which took the gate/up loop
+from 772 to 698 instructions a step of 256 (down's from 617 to 569); not yet timed.
 
 The kernels of column order ran that call 1.14-1.17x faster than the decoded tiles at 8-64 tokens
 on an H100 (grouped_experts.py's docstring has the numbers). Against the same
@@ -114,24 +117,36 @@ def _pair_codes(words, SHIFT: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _group_columns(v_ptr, vrows, v_ok, kg, K: tl.constexpr, GROUP: tl.constexpr):
-    """The activations of rows vrows [M] (K apart) over the group of places kg .. kg + GROUP - 1,
-    transposed: [GROUP, M], 0 for a group past K (a loop step that does not divide K)."""
-    cols = kg + tl.arange(0, GROUP)
-    return tl.load(v_ptr + vrows[None, :] * K + cols[:, None], mask=(cols < K)[:, None] & v_ok[None, :], other=0.0)
+def _inside(index, N: tl.constexpr, BLOCK: tl.constexpr):
+    """index < N, for a tile's indices [BLOCK]: true throughout, as a constant, where BLOCK divides N, so
+    that no load is masked by it."""
+    if N % BLOCK == 0:
+        return tl.full(index.shape, 1, tl.int1)
+    return index < N
 
 
 @triton.jit
-def _group_dot(w_ptr, s_ptr, rows, row_ok, kg, K: tl.constexpr, GROUP: tl.constexpr, vt, acc):
+def _group_columns(v_ptr, vrows, v_ok, kg, K: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """The activations of rows vrows [M] (K apart) over the group of places kg .. kg + GROUP - 1,
+    transposed: [GROUP, M], 0 for a group past K (a loop step that does not divide K; EVEN: none is)."""
+    cols = kg + tl.arange(0, GROUP)
+    inside = v_ok[None, :] if EVEN else (cols < K)[:, None] & v_ok[None, :]
+    return tl.load(v_ptr + vrows[None, :] * K + cols[:, None], mask=inside, other=0.0)
+
+
+@triton.jit
+def _group_dot(w_ptr, s_ptr, rows, row_ok, kg, K: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr, vt, acc):
     """acc [R, M] (fp32) plus rows [R] of the int4 matrix at w_ptr (its fp16 scales at s_ptr) times vt
     [GROUP, M], the activations of the group at column kg in dot order: one dot, then the group's scale."""
     R: tl.constexpr = rows.shape[0]
     word = kg // 8 + tl.arange(0, GROUP // 8)  # [16]: word 4t + m holds columns 32t + 8m .. 32t + 8m + 7
-    # a masked word's nibbles are 8s, codes 0 (0x88888888 as an int32)
+    # a masked word's nibbles are 8s, codes 0 (0x88888888 as an int32); EVEN: no group is past K
+    inside = row_ok[:, None] if EVEN else row_ok[:, None] & (word < K // 8)[None, :]
     words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (K // 8) + word[None, :],
-                    mask=row_ok[:, None] & (word < K // 8)[None, :], other=-0x77777778)  # [R, 16]
+                    mask=inside, other=-0x77777778)  # [R, 16]
     # a group past K reads the row's last scale: vt is 0 there
-    scale = tl.load(s_ptr + rows * (K // GROUP) + tl.minimum(kg // GROUP, K // GROUP - 1), mask=row_ok, other=0.0)
+    group = kg // GROUP if EVEN else tl.minimum(kg // GROUP, K // GROUP - 1)
+    scale = tl.load(s_ptr + rows * (K // GROUP) + group, mask=row_ok, other=0.0)
     codes = tl.join(tl.join(_pair_codes(words, 0, vt.dtype), _pair_codes(words, 4, vt.dtype)),
                     tl.join(_pair_codes(words, 8, vt.dtype), _pair_codes(words, 12, vt.dtype)))  # [R, 16, 2, 2, 2]
     # [R, t, m, p, i % 2, i // 2] -> [R, m, i // 2, i % 2, t, p]: dot order, the registers' own
@@ -152,16 +167,17 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, order_ptr, block_slot_ptr, block
         block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, w_ptr, s_ptr, row_stride, scale_stride,
         DATA, SCALES, BLOCK_M)
     rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of I: the dot's M
-    row_ok = rows < I
+    row_ok = _inside(rows, I, BLOCK_I)
     token = pairs // K
     acc_gate = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_I, BLOCK_M], dtype=tl.float32)
+    EVEN: tl.constexpr = H % BLOCK_H == 0  # no loop step runs past H: its loads need no mask along K
     for h0 in range(0, H, BLOCK_H):
         for g in tl.static_range(BLOCK_H // GROUP):  # the loop step's groups, one dot each
             kg = h0 + g * GROUP
-            xt = _group_columns(x_ptr, token, pair_ok, kg, H, GROUP)  # [GROUP, BLOCK_M]
-            acc_gate = _group_dot(gate_ptr, scale_ptr, rows, row_ok, kg, H, GROUP, xt, acc_gate)
-            acc_up = _group_dot(gate_ptr, scale_ptr, rows + I, row_ok, kg, H, GROUP, xt, acc_up)
+            xt = _group_columns(x_ptr, token, pair_ok, kg, H, GROUP, EVEN)  # [GROUP, BLOCK_M]
+            acc_gate = _group_dot(gate_ptr, scale_ptr, rows, row_ok, kg, H, GROUP, EVEN, xt, acc_gate)
+            acc_up = _group_dot(gate_ptr, scale_ptr, rows + I, row_ok, kg, H, GROUP, EVEN, xt, acc_up)
     # act in dot order, as the down kernel reads it
     store_act(acc_gate, acc_up, b_ptr, slot, bias_stride, act_ptr, pairs[None, :], pair_ok[None, :], rows[:, None],
               row_ok[:, None], _dot_place(rows)[:, None], I, BIAS, BIASES, CLAMPED_SWIGLU, ALPHA, LIMIT)
@@ -180,14 +196,15 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slo
         block, order_ptr, block_slot_ptr, block_first_ptr, block_rows_ptr, w_ptr, s_ptr, row_stride, scale_stride,
         DATA, SCALES, BLOCK_M)
     outs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] outputs of H: the dot's M
-    out_ok = outs < H
+    out_ok = _inside(outs, H, BLOCK_H)
     acc = tl.zeros([BLOCK_H, BLOCK_M], dtype=tl.float32)
     first = tl.program_id(2) * i_chunk  # this program's chunk of I: whole tiles
+    EVEN: tl.constexpr = I % BLOCK_I == 0  # the chunks' tiles then end at I (fused_experts.chunk_length)
     for step in range(0, i_chunk, BLOCK_I):
         for g in tl.static_range(BLOCK_I // GROUP):
             kg = first + step + g * GROUP
-            at = _group_columns(act_ptr, pairs, pair_ok, kg, I, GROUP)  # [GROUP, BLOCK_M]
-            acc = _group_dot(down_ptr, scale_ptr, outs, out_ok, kg, I, GROUP, at, acc)
+            at = _group_columns(act_ptr, pairs, pair_ok, kg, I, GROUP, EVEN)  # [GROUP, BLOCK_M]
+            acc = _group_dot(down_ptr, scale_ptr, outs, out_ok, kg, I, GROUP, EVEN, at, acc)
     store_partial(acc, b_ptr, slot, bias_stride, weights_ptr, y_ptr, pair_count, pairs[None, :], pair_ok[None, :],
                   outs[:, None], out_ok[:, None], H, BIAS, BIASES)
 

@@ -35,6 +35,15 @@ def small_config(down_splits: int | None = None):
                          down_block_h=32, down_block_i=128, down_warps=1, down_stages=1, down_splits=down_splits)
 
 
+def wide_config(down_splits: int | None = None):
+    """Tiles of 256 rows and outputs: past I = 384 and H = 128, so their loads are masked (the kernels
+    drop those masks where a tile divides its dim, as the defaults' do)."""
+    from moe_serve.engine.experts.grouped_experts import GroupedConfig
+
+    return GroupedConfig(block_m=16, gate_up_block_i=256, gate_up_block_h=128, gate_up_warps=1, gate_up_stages=1,
+                         down_block_h=256, down_block_i=128, down_warps=1, down_stages=1, down_splits=down_splits)
+
+
 def _exact(layout, slots, x, ids, weights) -> torch.Tensor:
     """fp32 math on the int4 weights decoded in fp32: the kernels never round a weight to x's dtype."""
     exact_layout, exact_slots = decoded_reference(layout, slots, torch.float32)
@@ -42,8 +51,9 @@ def _exact(layout, slots, x, ids, weights) -> torch.Tensor:
 
 
 def check_interpreted(cases: list[tuple[int, int, int, int]], down_splits: int | None = None,
-                      gpt_oss: bool = False) -> None:
-    """Run in the interpreter's worker: fp16 kernels on CPU tensors, under the default tiles and small ones."""
+                      gpt_oss: bool = False, wide: bool = False) -> None:
+    """Run in the interpreter's worker: fp16 kernels on CPU tensors, under the default tiles and small ones
+    (and wide ones)."""
     from moe_serve.engine.experts import grouped_int4
     from moe_serve.engine.experts.grouped_experts import grouped_experts, kernels_for
 
@@ -55,7 +65,8 @@ def check_interpreted(cases: list[tuple[int, int, int, int]], down_splits: int |
         exact = _exact(layout, slots, x, ids, weights)
         # act and the output round to fp16 (2^-11), the weights not at all
         tol = 2e-3 * max(exact.abs().max().item() if exact.numel() else 0.0, 1.0)
-        for config in (None, small_config(down_splits)):
+        configs = (None, small_config(down_splits)) + ((wide_config(down_splits),) if wide else ())
+        for config in configs:
             got = grouped_experts(x, weights, slots, ids, layout, config=config)
             assert got.shape == (t, h) and got.dtype == torch.float16
             torch.testing.assert_close(got.float(), exact, rtol=1e-2, atol=tol,
@@ -74,7 +85,8 @@ def test_interpreter_masks_a_loop_step_past_k_and_sums_chunks_of_i():
 
 @needs_triton
 def test_interpreter_gpt_oss_experts_add_their_biases_once():
-    run_interpreted(__file__, f"check_interpreted({json.dumps(GPT_OSS_CASES)}, down_splits=3, gpt_oss=True)")
+    run_interpreted(__file__, f"check_interpreted({json.dumps(GPT_OSS_CASES)}, down_splits=3, gpt_oss=True, "
+                              "wide=True)")
 
 
 @needs_triton
