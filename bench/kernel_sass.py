@@ -11,10 +11,13 @@ the JIT specializes pointers and strides to, then disassembled with the nvdisasm
 `fused` (one token: `fused_experts._gate_up_kernel` under `fused_experts.default_config`'s tiles, the
 format's tile dot where it has one), `grouped` (a batch: `grouped_experts._gate_up_kernel` under
 `grouped_experts.default_config`, tiles decoded for tl.dot) or `grouped-int4` (a batch of int4
-experts, as the dispatch takes it at this shape: `grouped_int4._gate_up_kernel` under `INT4_CONFIG`). Counted: the SASS of the K loop's body
-(from the target of the longest backward branch to the branch), divided by the weights one thread
-of a program reads per iteration (2 matrices x rows x columns / threads). Conversions from int to float (I2F, I2FP) are listed apart: sm_90 issues them
-at a fraction of an FMA's rate, so an instruction count undercounts a loop with many.
+experts, as the dispatch takes it at this shape: `grouped_int4._gate_up_kernel` under `INT4_CONFIG`);
+`grouped-int4-down` counts that path's down kernel instead (one chunk of I, `--formats int4`).
+Counted: the SASS of the K loop's body (from the target of the longest backward branch to the
+branch), divided by the weights one thread of a program reads per iteration (matrices x rows x
+columns / threads: 2 matrices in gate/up). Conversions from int to float (I2F, I2FP) are listed
+apart: sm_90 issues them at a fraction of an FMA's rate, so an instruction count undercounts a
+loop with many.
 
 These are static counts, a model of the ALU side; the kernels' times come from bench/quant_experts.py on
 a GPU. Triton's own version builds them (the GPU image's may schedule differently).
@@ -81,13 +84,39 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
                      "BLOCK_H": cfg.gate_up_block_h, **decode}
         rows, cols = cfg.gate_up_block_i, cfg.gate_up_block_h
         options = {"num_warps": cfg.gate_up_warps, "num_stages": cfg.gate_up_stages}
-    constants = {name: value for name, value in constants.items() if name in fn.arg_names}
-    signature = {name: pointers[name] for name in fn.arg_names if name in pointers}
-    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature}
+    compiled = _build(fn, pointers, {}, constants, options)
+    return compiled, f"{rows}x{cols}, {options['num_warps']} warps", 2 * rows * cols / (options["num_warps"] * 32)
+
+
+def compile_int4_down():
+    """grouped_int4's down kernel as the dispatch launches it at the Mixtral shape for one chunk of I
+    (a 32-token step's), built for sm_90; its tile and the weights a thread reads per loop iteration."""
+    fmt, cfg = expert_format("int4", torch.bfloat16), grouped_int4.INT4_CONFIG
+    pointers = {"act_ptr": "*bf16", "w_ptr": f"*{_triton_dtype(fmt.data_dtype)}",
+                "s_ptr": f"*{_triton_dtype(fmt.scale_dtype)}", "weights_ptr": "*fp32", "y_ptr": "*fp32",
+                **{name: "*i32" for name in ("order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr",
+                                              "num_blocks_ptr")}}
+    scalars = {"pair_count": "i32", "i_chunk": "i32", "row_stride": "i64", "scale_stride": "i64"}
+    constants = {"H": HIDDEN, "I": INTERMEDIATE, "i_chunk": INTERMEDIATE, "DATA": 0, "SCALES": 0, "b_ptr": None,
+                 "bias_stride": None, "BIAS": 0, "BIASES": False, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h,
+                 "BLOCK_I": cfg.down_block_i, "GROUP": GROUP_SIZE}
+    options = {"num_warps": cfg.down_warps, "num_stages": cfg.down_stages}
+    compiled = _build(grouped_int4._down_kernel, pointers, scalars, constants, options)
+    return (compiled, f"{cfg.down_block_h}x{cfg.down_block_i}, {cfg.down_warps} warps",
+            cfg.down_block_h * cfg.down_block_i / (cfg.down_warps * 32))
+
+
+def _build(fn, pointers: dict, scalars: dict, constants: dict, options: dict):
+    """fn compiled for TARGET: pointers 16-byte aligned, as the JIT specializes them; scalars as given."""
+    # a constexpr of the kernel's is a constant, and so is a None (as the JIT takes it); the rest run-time values
+    constexprs = {param.name for param in fn.params if param.is_constexpr}
+    constants = {name: value for name, value in constants.items() if name in constexprs or value is None}
+    signature = {name: pointers.get(name) or scalars[name] for name in fn.arg_names
+                 if name not in constants and (name in pointers or name in scalars)}
+    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in signature if name in pointers}
     source = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constants}},
                        constexprs=constants, attrs=aligned)
-    compiled = triton.compile(source, target=TARGET, options=options)
-    return compiled, f"{rows}x{cols}, {options['num_warps']} warps", 2 * rows * cols / (options["num_warps"] * 32)
+    return triton.compile(source, target=TARGET, options=options)
 
 
 def _triton_dtype(dtype: torch.dtype) -> str:
@@ -108,7 +137,10 @@ def loop_body(sass: str) -> list[str]:
 
 
 def count(quant: str, kernel: str = "fused") -> dict:
-    compiled, tile, per_thread = compile_gate_up(quant, kernel)
+    if kernel == "grouped-int4-down":
+        compiled, tile, per_thread = compile_int4_down()
+    else:
+        compiled, tile, per_thread = compile_gate_up(quant, kernel)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -128,7 +160,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--formats", default=",".join(name for name in FORMAT_NAMES))
-    parser.add_argument("--kernel", choices=["fused", "grouped", "grouped-int4"], default="fused")
+    parser.add_argument("--kernel", choices=["fused", "grouped", "grouped-int4", "grouped-int4-down"], default="fused")
     args = parser.parse_args()
     rows = []
     for quant in args.formats.split(","):

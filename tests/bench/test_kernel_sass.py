@@ -31,6 +31,16 @@ def test_the_grouped_kernel_multiplies_on_tensor_cores():
 
 
 @needs_triton
+def test_the_int4_down_loop_copies_its_activations_asynchronously():
+    from bench.kernel_sass import count
+
+    row = count("int4", "grouped-int4-down")
+    # with a run-time chunk of I, act's tiles went through registers and stores, 4.45 instructions a weight
+    # (bench/results/quant/kernel_sass-grouped-int4-down-sm90-before-constant-chunk.json)
+    assert "LDGSTS" in row["opcodes"] and row["instructions_per_weight"] < 4.0, row
+
+
+@needs_triton
 def test_the_loop_is_the_span_of_the_backward_branch():
     from bench.kernel_sass import loop_body
 

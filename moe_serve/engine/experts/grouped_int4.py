@@ -29,7 +29,8 @@ ms at 8, 32 and 64 tokens: 2.15x, 2.15x and 2.03x bf16's (1.88x, 1.91x and 1.41x
 INT4_CONFIG's tiles of the sweep that followed, 2.51x, 2.54x and 2.09x (a later call, bf16 beside it).
 Where a tile divides its dim (K, a gate/up tile's rows of I, a down tile's outputs of H: the Mixtral
 shape's at the default tiles) the loads drop that mask (EVEN, _inside), which took the gate/up loop
-from 772 to 698 instructions a step of 256 (down's from 617 to 569); not yet timed.
+from 772 to 698 instructions a step of 256 (down's from 617 to 569, and to 441 with its chunk of I a
+compile-time constant: _down_kernel); not yet timed.
 
 The kernels of column order ran that call 1.14-1.17x faster than the decoded tiles at 8-64 tokens
 on an H100 (grouped_experts.py's docstring has the numbers). Against the same
@@ -185,10 +186,14 @@ def _gate_up_kernel(x_ptr, w_ptr, s_ptr, b_ptr, order_ptr, block_slot_ptr, block
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr,
-                 block_rows_ptr, num_blocks_ptr, y_ptr, pair_count, i_chunk, row_stride, scale_stride, bias_stride,
-                 H: tl.constexpr, I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr, BIAS: tl.constexpr,
-                 BIASES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-                 GROUP: tl.constexpr):
+                 block_rows_ptr, num_blocks_ptr, y_ptr, pair_count, i_chunk: tl.constexpr, row_stride, scale_stride,
+                 bias_stride, H: tl.constexpr, I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
+                 BIAS: tl.constexpr, BIASES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                 BLOCK_I: tl.constexpr, GROUP: tl.constexpr):
+    # i_chunk is a compile-time constant (one build per chunk count, a few per model): with the loop's
+    # trip count known, Triton pipelines act's loads as async copies into shared memory (LDGSTS) where a
+    # runtime count left them loads through registers and stores (sm_90 SASS of the loop at the Mixtral
+    # shape: 569 -> 441 instructions a step)
     block = tl.program_id(0)
     if block >= tl.load(num_blocks_ptr):
         return
