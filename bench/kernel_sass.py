@@ -49,6 +49,9 @@ from moe_serve.engine.experts.formats.int4 import GROUP_SIZE  # noqa: E402
 HIDDEN, INTERMEDIATE = 4096, 14336  # Mixtral's expert shape
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 CONVERSIONS = ("I2F", "I2FP")
+# the grouped kernels' block layout (grouped_experts.BlockLayout)
+_BLOCK_LAYOUT = {name: "*i32" for name in ("order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr",
+                                           "num_blocks_ptr")}
 _OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 
@@ -57,8 +60,7 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
     """The gate/up kernel as the dispatch launches it at the Mixtral shape, built for sm_90; its tile
     (rows x columns, warps) and the weights a thread reads per loop iteration."""
     fmt = expert_format(quant, torch.bfloat16)
-    operands = {"w_ptr": f"*{_triton_dtype(fmt.data_dtype)}", "s_ptr": f"*{_triton_dtype(fmt.scale_dtype or fmt.data_dtype)}",
-                "row_stride": "i64", "scale_stride": "i64"}
+    operands = _operands(fmt)
     # no expert biases (b_ptr and bias_stride None: compile-time constants, as a launch passes them), silu
     format_constants = {"H": HIDDEN, "I": INTERMEDIATE, "K": 2, "DATA": 0, "SCALES": 0, "LOAD": fmt.triton_load,
                         "COLS": fmt.triton_cols, "b_ptr": None, "bias_stride": None, "BIAS": 0, "BIASES": False,
@@ -72,8 +74,7 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
                      "DOT": fmt.triton_load if dot is None else dot, "USE_DOT": dot is not None}
         rows, cols, options = cfg.gate_up_rows, cfg.gate_up_cols, {"num_warps": cfg.gate_up_warps}
     else:  # a grouped kernel: the block layout's pointers, GroupedConfig's tiles
-        pointers = {"x_ptr": "*bf16", **operands, **{name: "*i32" for name in (
-            "order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr", "num_blocks_ptr")}, "act_ptr": "*bf16"}
+        pointers = {"x_ptr": "*bf16", **operands, **_BLOCK_LAYOUT, "act_ptr": "*bf16"}
         if kernel == "grouped-int4":
             cfg, fn, decode = grouped_int4.INT4_CONFIG, grouped_int4._gate_up_kernel, {"GROUP": GROUP_SIZE}
         else:
@@ -91,12 +92,10 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
 def compile_int4_down():
     """grouped_int4's down kernel as the dispatch launches it at the Mixtral shape for one chunk of I
     (a 32-token step's), built for sm_90; its tile and the weights a thread reads per loop iteration."""
-    fmt, cfg = expert_format("int4", torch.bfloat16), grouped_int4.INT4_CONFIG
-    pointers = {"act_ptr": "*bf16", "w_ptr": f"*{_triton_dtype(fmt.data_dtype)}",
-                "s_ptr": f"*{_triton_dtype(fmt.scale_dtype)}", "weights_ptr": "*fp32", "y_ptr": "*fp32",
-                **{name: "*i32" for name in ("order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr",
-                                              "num_blocks_ptr")}}
-    scalars = {"pair_count": "i32", "i_chunk": "i32", "row_stride": "i64", "scale_stride": "i64"}
+    cfg = grouped_int4.INT4_CONFIG
+    pointers = {"act_ptr": "*bf16", **_operands(expert_format("int4", torch.bfloat16)), "weights_ptr": "*fp32",
+                "y_ptr": "*fp32", **_BLOCK_LAYOUT}
+    scalars = {"pair_count": "i32", "i_chunk": "i32"}
     constants = {"H": HIDDEN, "I": INTERMEDIATE, "i_chunk": INTERMEDIATE, "DATA": 0, "SCALES": 0, "b_ptr": None,
                  "bias_stride": None, "BIAS": 0, "BIASES": False, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h,
                  "BLOCK_I": cfg.down_block_i, "GROUP": GROUP_SIZE}
@@ -106,8 +105,15 @@ def compile_int4_down():
             cfg.down_block_h * cfg.down_block_i / (cfg.down_warps * 32))
 
 
+def _operands(fmt) -> dict:
+    """The expert weights' pointers and row strides, in the format's dtypes (aligned as pointers)."""
+    return {"w_ptr": f"*{_triton_dtype(fmt.data_dtype)}", "s_ptr": f"*{_triton_dtype(fmt.scale_dtype or fmt.data_dtype)}",
+            "row_stride": "i64", "scale_stride": "i64"}
+
+
 def _build(fn, pointers: dict, scalars: dict, constants: dict, options: dict):
-    """fn compiled for TARGET: pointers 16-byte aligned, as the JIT specializes them; scalars as given."""
+    """fn compiled for TARGET: pointers (and strides) 16-byte aligned, as the JIT specializes them; scalars
+    as given."""
     # a constexpr of the kernel's is a constant, and so is a None (as the JIT takes it); the rest run-time values
     constexprs = {param.name for param in fn.params if param.is_constexpr}
     constants = {name: value for name, value in constants.items() if name in constexprs or value is None}

@@ -29,7 +29,7 @@ ms at 8, 32 and 64 tokens: 2.15x, 2.15x and 2.03x bf16's (1.88x, 1.91x and 1.41x
 INT4_CONFIG's tiles of the sweep that followed, 2.51x, 2.54x and 2.09x (a later call, bf16 beside it).
 Where a tile divides its dim (K, a gate/up tile's rows of I, a down tile's outputs of H: the Mixtral
 shape's at the default tiles) the loads drop that mask (EVEN, _inside), which took the gate/up loop
-from 772 to 698 instructions a step of 256 (down's from 617 to 569, and to 441 with its chunk of I a
+from 772 to 698 instructions a step of 256 (down's from 617 to 569, and to 392 with its chunk of I a
 compile-time constant: _down_kernel); not yet timed.
 
 The kernels of column order ran that call 1.14-1.17x faster than the decoded tiles at 8-64 tokens
@@ -193,7 +193,7 @@ def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slo
     # i_chunk is a compile-time constant (one build per chunk count, a few per model): with the loop's
     # trip count known, Triton pipelines act's loads as async copies into shared memory (LDGSTS) where a
     # runtime count left them loads through registers and stores (sm_90 SASS of the loop at the Mixtral
-    # shape: 569 -> 441 instructions a step)
+    # shape: 569 -> 392 instructions a step)
     block = tl.program_id(0)
     if block >= tl.load(num_blocks_ptr):
         return
