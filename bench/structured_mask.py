@@ -40,7 +40,7 @@ from moe_serve.engine.config import EngineConfig  # noqa: E402
 from moe_serve.engine.core import EngineCore  # noqa: E402
 from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput  # noqa: E402
 from moe_serve.engine.sampler import SamplingBatch, SamplingRow, sample  # noqa: E402
-from moe_serve.engine.structured import Grammars, MaskFiller  # noqa: E402
+from moe_serve.engine.structured import Grammars, MaskFiller, consume_tokens  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "moe_serve" / "models" / "default"
 ARRAY_ITEMS = 48  # the engine run's schema: exactly this many one-digit integers, ~2 tokens each
@@ -83,12 +83,9 @@ def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device
         host_bits = mask.bits.cpu()
         chosen = [rng.choice(allowed_ids(host_bits[k])) for k in range(batch)]  # a random allowed path
         t3 = time.perf_counter()
-        # as the engine's follow jobs consume a step's tokens: one llguidance call over the rows from
-        # the worker's row count, else matcher by matcher (structured.PendingMasks)
-        if batch >= MaskFiller.ahead_from_rows:
-            accepted = filler.executor.consume_token_par([(g.matcher, t) for g, t in zip(matchers, chosen)])
-        else:
-            accepted = [g.matcher.consume_token(t) for g, t in zip(matchers, chosen)]
+        # as the engine's follow jobs consume a step's tokens (one call over the rows from the worker's row count)
+        accepted = consume_tokens(filler.executor, [g.matcher for g in matchers], chosen,
+                                  batch >= MaskFiller.ahead_from_rows)
         complete = [ok and grammar.matcher.is_stopped() for grammar, ok in zip(matchers, accepted)]
         t4 = time.perf_counter()
         assert all(accepted), "a token the mask allowed was refused by its grammar"

@@ -268,7 +268,7 @@ class PendingMasks:
     def advance_inline(self) -> None:
         """An inline follow job's tokens consumed now, if they were not yet. One that fails is recorded
         in each matcher, whose next check() reports it."""
-        if self._filled is None:
+        if not self.on_worker:
             try:
                 self._advance()
             except Exception:  # noqa: S110 - reported by the matchers' checks
@@ -305,14 +305,19 @@ class PendingMasks:
             self._error = exc
 
     def _consume(self) -> None:
-        """Each row's token: on the worker in one llguidance call off the GIL, else matcher by matcher."""
-        if self.on_worker:
-            accepted = self.executor.consume_token_par(list(zip(self.step.matchers, self.tokens)))
-        else:
-            accepted = list(map(llguidance.LLMatcher.consume_token, self.step.matchers, self.tokens))
+        accepted = consume_tokens(self.executor, self.step.matchers, self.tokens, self.on_worker)
         stopped = map(llguidance.LLMatcher.is_stopped, self.step.matchers)  # in C: the worker holds the GIL here
         for grammar, ok, stop in zip(self.step.constrained, accepted, stopped):
             grammar.consumed_one(ok, stop)
+
+
+def consume_tokens(executor: llguidance.LLExecutor, matchers: list[llguidance.LLMatcher], tokens: list[int],
+                   on_worker: bool) -> list[bool]:
+    """Each matcher's token, and whether it was accepted: on the worker in one executor call off the GIL,
+    else matcher by matcher (PendingMasks says why)."""
+    if on_worker:
+        return executor.consume_token_par(list(zip(matchers, tokens)))
+    return list(map(llguidance.LLMatcher.consume_token, matchers, tokens))
 
 
 def _pass(done: _thread.LockType | None) -> None:
@@ -409,7 +414,7 @@ class MaskFiller:
             return None
         width = (step.constrained[0].vocab_size + 31) // 32  # every matcher of an engine shares its tokenizer
         buffer = self._buffer(step.size, width, device)
-        worker = self.worker if len(step.rows) >= self.ahead_from_rows else None
+        worker = self._worker_for(step)
         if worker is None and self._latest is not None:  # an inline fill reads matchers and writes rows
             self._latest.wait()  # that the worker's last job may still be at
         masks = PendingMasks(self.executor, step, buffer, worker)
@@ -426,11 +431,15 @@ class MaskFiller:
         1.23-1.37x unconstrained through the worker, 1.24-1.27x consuming on the engine thread), and
         the engine thread does both when the next step asks for its masks, its forward queued: the
         tokens are consumed while the device runs it, not after the step, while the device idles."""
-        worker = self.worker if len(masks.step.rows) >= self.ahead_from_rows else None
+        worker = self._worker_for(masks.step)
         self._follow = PendingMasks(self.executor, masks.step, masks.buffer, worker,
                                     [tokens[i] for i, _ in masks.step.rows])
         if worker is not None:
             self._latest = self._follow
+
+    def _worker_for(self, step: StepGrammars) -> FillWorker | None:
+        """The FillWorker for a step of ahead_from_rows constrained rows or more; None: the engine thread."""
+        return self.worker if len(step.rows) >= self.ahead_from_rows else None
 
     def _buffer(self, size: int, width: int, device: torch.device) -> MaskBuffer:
         if self.buffer is None or not self.buffer.fits(size, width, device):
