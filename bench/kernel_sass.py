@@ -12,8 +12,7 @@ the JIT specializes pointers and strides to, then disassembled with the nvdisasm
 format's tile dot where it has one), `grouped` (a batch: `grouped_experts._gate_up_kernel` under
 `grouped_experts.default_config`, tiles decoded for tl.dot) or `grouped-int4` (a batch of int4
 experts, as the dispatch takes it at this shape: `grouped_int4._gate_up_kernel` under `INT4_CONFIG`);
-`grouped-down` and `grouped-int4-down` count those paths' down kernels instead (one chunk of I; the
-latter `--formats int4`).
+`grouped-int4-down` counts that path's down kernel instead (one chunk of I, `--formats int4`).
 Counted: the SASS of the K loop's body (from the target of the longest backward branch to the
 branch), divided by the weights one thread of a program reads per iteration (matrices x rows x
 columns / threads: 2 matrices in gate/up). Conversions from int to float (I2F, I2FP) are listed
@@ -90,24 +89,18 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
     return compiled, f"{rows}x{cols}, {options['num_warps']} warps", 2 * rows * cols / (options["num_warps"] * 32)
 
 
-def compile_down(quant: str, kernel: str):
-    """The down kernel of a grouped path (`grouped-down`: grouped_experts' tiles, `grouped-int4-down`:
-    grouped_int4's) as the dispatch launches it at the Mixtral shape for one chunk of I (a 32-token
-    step's), built for sm_90; its tile and the weights a thread reads per loop iteration."""
-    fmt = expert_format(quant, torch.bfloat16)
-    pointers = {"act_ptr": "*bf16", **_operands(fmt), "weights_ptr": "*fp32", "y_ptr": "*fp32", **_BLOCK_LAYOUT}
-    if kernel == "grouped-int4-down":
-        cfg, fn, decode = grouped_int4.INT4_CONFIG, grouped_int4._down_kernel, {"GROUP": GROUP_SIZE}
-    else:
-        cfg, fn = grouped_experts.default_config(HIDDEN, INTERMEDIATE), grouped_experts._down_kernel
-        codes = fmt.triton_codes_for(INTERMEDIATE, cfg.down_block_i)  # as grouped_experts._with_codes (bf16 act)
-        decode = {"LOAD": fmt.triton_load, "COLS": fmt.triton_cols,
-                  "CODES": fmt.triton_load if codes is None else codes, "USE_CODES": codes is not None}
+def compile_int4_down():
+    """grouped_int4's down kernel as the dispatch launches it at the Mixtral shape for one chunk of I
+    (a 32-token step's), built for sm_90; its tile and the weights a thread reads per loop iteration."""
+    cfg = grouped_int4.INT4_CONFIG
+    pointers = {"act_ptr": "*bf16", **_operands(expert_format("int4", torch.bfloat16)), "weights_ptr": "*fp32",
+                "y_ptr": "*fp32", **_BLOCK_LAYOUT}
+    scalars = {"pair_count": "i32", "i_chunk": "i32"}
     constants = {"H": HIDDEN, "I": INTERMEDIATE, "i_chunk": INTERMEDIATE, "DATA": 0, "SCALES": 0, "b_ptr": None,
                  "bias_stride": None, "BIAS": 0, "BIASES": False, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h,
-                 "BLOCK_I": cfg.down_block_i, **decode}
+                 "BLOCK_I": cfg.down_block_i, "GROUP": GROUP_SIZE}
     options = {"num_warps": cfg.down_warps, "num_stages": cfg.down_stages}
-    compiled = _build(fn, pointers, {"pair_count": "i32", "i_chunk": "i32"}, constants, options)
+    compiled = _build(grouped_int4._down_kernel, pointers, scalars, constants, options)
     return (compiled, f"{cfg.down_block_h}x{cfg.down_block_i}, {cfg.down_warps} warps",
             cfg.down_block_h * cfg.down_block_i / (cfg.down_warps * 32))
 
@@ -150,8 +143,8 @@ def loop_body(sass: str) -> list[str]:
 
 
 def count(quant: str, kernel: str = "fused") -> dict:
-    if kernel.endswith("-down"):
-        compiled, tile, per_thread = compile_down(quant, kernel)
+    if kernel == "grouped-int4-down":
+        compiled, tile, per_thread = compile_int4_down()
     else:
         compiled, tile, per_thread = compile_gate_up(quant, kernel)
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
@@ -173,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--formats", default=",".join(name for name in FORMAT_NAMES))
-    parser.add_argument("--kernel", choices=["fused", "grouped", "grouped-down", "grouped-int4", "grouped-int4-down"], default="fused")
+    parser.add_argument("--kernel", choices=["fused", "grouped", "grouped-int4", "grouped-int4-down"], default="fused")
     args = parser.parse_args()
     rows = []
     for quant in args.formats.split(","):

@@ -367,13 +367,11 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(act_ptr, w_ptr, s_ptr, b_ptr, weights_ptr, order_ptr, block_slot_ptr, block_first_ptr,
-                     block_rows_ptr, num_blocks_ptr, y_ptr, pair_count, i_chunk: tl.constexpr, row_stride,
-                     scale_stride, bias_stride, H: tl.constexpr, I: tl.constexpr, DATA: tl.constexpr,
-                     SCALES: tl.constexpr, BIAS: tl.constexpr, BIASES: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr,
-                     CODES: tl.constexpr, USE_CODES: tl.constexpr):
-        # i_chunk is a compile-time constant, as in grouped_int4's down kernel: a loop of known trip count
-        # takes fewer instructions a step (bench/kernel_sass.py --kernel grouped-down)
+                     block_rows_ptr, num_blocks_ptr, y_ptr, pair_count, i_chunk, row_stride, scale_stride,
+                     bias_stride, H: tl.constexpr, I: tl.constexpr, DATA: tl.constexpr, SCALES: tl.constexpr,
+                     BIAS: tl.constexpr, BIASES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_I: tl.constexpr, LOAD: tl.constexpr, COLS: tl.constexpr, CODES: tl.constexpr,
+                     USE_CODES: tl.constexpr):
         block = tl.program_id(0)
         if block >= tl.load(num_blocks_ptr):
             return
