@@ -30,13 +30,21 @@ INT4_CONFIG's tiles of the sweep that followed, 2.51x, 2.54x and 2.09x (a later 
 Where a tile divides its dim (K, a gate/up tile's rows of I, a down tile's outputs of H: the Mixtral
 shape's at the default tiles) the loads drop that mask (EVEN, _inside), which took the gate/up loop
 from 772 to 698 instructions a step of 256 (down's from 617 to 569, and to 392 with its chunk of I a
-compile-time constant: _down_kernel); not yet timed.
+compile-time constant: _down_kernel). Timed together in one H100 call against a copy of the tree
+before them: 0.342 -> 0.297, 0.366 -> 0.319 and 0.444 -> 0.369 ms at 8, 32 and 64 tokens, so 2.97x,
+2.95x and 2.70x bf16's (bench/results/quant/quant_experts-h100-int4-{before-even,even-chunk-2}.json).
 
 The kernels of column order ran that call 1.14-1.17x faster than the decoded tiles at 8-64 tokens
 on an H100 (grouped_experts.py's docstring has the numbers). Against the same
 decoded tiles, other ways ran about 0.90x (two dots of K = 64, the nibbles left out of order,
 against x's even and odd elements), 1.06x (codes made by inline PTX), 1.0x (codes 128 + n, 136
-sum(x) taken off each product) and 0.72x (an fp32 decode).
+sum(x) taken off each product) and 0.72x (an fp32 decode). In dot order, with the masks and the
+constant chunk, two gate/up decodes that leave out the subtraction of 136 lost to this one in the
+same H100 call though their loops are shorter (quant_experts-h100-int4-{subnormal,offset}-codes*.json):
+the codes as subnormal floats (n x 2^-133 in bf16, x prescaled by 2^100, the zero point from x's group
+sums; 576 instructions a step) 0.302 / 0.324 / 0.370 ms at 8 / 32 / 64 tokens, and codes 128 + n
+with 136 times the group sums taken off each group's dot (624) 0.307 / 0.330 / 0.396, against this
+kernel's 0.297 / 0.319 / 0.369: the loop is no longer what bounds it.
 
 Taken for bf16 and fp16 activations (the 16-bit dot's operands; fp32 keeps the decoded tiles) and H
 and I multiples of 128, int4's group: a row is then whole groups of 64 bytes, so rows and loop steps
