@@ -39,8 +39,8 @@ on an H100 (grouped_experts.py's docstring has the numbers). Against the same
 decoded tiles, other ways ran about 0.90x (two dots of K = 64, the nibbles left out of order,
 against x's even and odd elements), 1.06x (codes made by inline PTX), 1.0x (codes 128 + n, 136
 sum(x) taken off each product) and 0.72x (an fp32 decode). In dot order, with the masks and the
-constant chunk, two gate/up decodes that leave out the subtraction of 136 lost to this one in the
-same H100 call though their loops are shorter (quant_experts-h100-int4-{subnormal,offset}-codes*.json):
+constant chunk, two gate/up decodes that leave out the subtraction of 136 were no faster than this
+one in the same H100 call though their loops are shorter (quant_experts-h100-int4-{subnormal,offset}-codes*.json):
 the codes as subnormal floats (n x 2^-133 in bf16, x prescaled by 2^100, the zero point from x's group
 sums; 576 instructions a step) 0.302 / 0.324 / 0.370 ms at 8 / 32 / 64 tokens, and codes 128 + n
 with 136 times the group sums taken off each group's dot (624) 0.307 / 0.330 / 0.396, against this
