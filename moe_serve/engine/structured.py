@@ -299,7 +299,7 @@ class PendingMasks:
             if self.on_worker:
                 self.executor.unsafe_compute_mask_ptr(self.step.targets, bits.data_ptr(), row_bytes, self.step.size)
             else:
-                for (i, _), matcher in zip(self.step.rows, self.step.matchers):
+                for matcher, i in self.step.targets:
                     matcher.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
         except BaseException as exc:  # raised on the engine thread, by result()
             self._error = exc
