@@ -52,6 +52,10 @@ CONVERSIONS = ("I2F", "I2FP")
 # the grouped kernels' block layout (grouped_experts.BlockLayout)
 _BLOCK_LAYOUT = {name: "*i32" for name in ("order_ptr", "block_slot_ptr", "block_first_ptr", "block_rows_ptr",
                                            "num_blocks_ptr")}
+# what both matrices' kernels take as constants at the Mixtral shape: the slots' first sections, no expert
+# biases (b_ptr and bias_stride None: compile-time constants, as a launch passes them)
+_SHAPE_CONSTANTS = {"H": HIDDEN, "I": INTERMEDIATE, "DATA": 0, "SCALES": 0, "b_ptr": None, "bias_stride": None,
+                    "BIAS": 0, "BIASES": False}
 _OPCODE = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
 _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 
@@ -61,9 +65,8 @@ def compile_gate_up(quant: str, kernel: str = "fused"):
     (rows x columns, warps) and the weights a thread reads per loop iteration."""
     fmt = expert_format(quant, torch.bfloat16)
     operands = _operands(fmt)
-    # no expert biases (b_ptr and bias_stride None: compile-time constants, as a launch passes them), silu
-    format_constants = {"H": HIDDEN, "I": INTERMEDIATE, "K": 2, "DATA": 0, "SCALES": 0, "LOAD": fmt.triton_load,
-                        "COLS": fmt.triton_cols, "b_ptr": None, "bias_stride": None, "BIAS": 0, "BIASES": False,
+    # top-2, silu
+    format_constants = {**_SHAPE_CONSTANTS, "K": 2, "LOAD": fmt.triton_load, "COLS": fmt.triton_cols,
                         **ExpertActivation().kernel_args}
     if kernel == "fused":
         dot = fmt.triton_dot
@@ -96,8 +99,7 @@ def compile_int4_down():
     pointers = {"act_ptr": "*bf16", **_operands(expert_format("int4", torch.bfloat16)), "weights_ptr": "*fp32",
                 "y_ptr": "*fp32", **_BLOCK_LAYOUT}
     scalars = {"pair_count": "i32", "i_chunk": "i32"}
-    constants = {"H": HIDDEN, "I": INTERMEDIATE, "i_chunk": INTERMEDIATE, "DATA": 0, "SCALES": 0, "b_ptr": None,
-                 "bias_stride": None, "BIAS": 0, "BIASES": False, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h,
+    constants = {**_SHAPE_CONSTANTS, "i_chunk": INTERMEDIATE, "BLOCK_M": cfg.block_m, "BLOCK_H": cfg.down_block_h,
                  "BLOCK_I": cfg.down_block_i, "GROUP": GROUP_SIZE}
     options = {"num_warps": cfg.down_warps, "num_stages": cfg.down_stages}
     compiled = _build(grouped_int4._down_kernel, pointers, scalars, constants, options)
