@@ -4,14 +4,13 @@
     python bench/structured_mask.py --model DIR --vocab 152064 --batch 1 32
 
 mask: B matchers of one JSON schema walk random allowed paths (a grammar restarts once complete),
-through the engine's own MaskFiller. Per step it times, all on the engine thread: taking the step's
-constrained rows, the fill (the pinned buffer, llguidance over the rows, the checks; on CUDA the
-device runs the forward meanwhile), the sampler with and without the masks (on CUDA one kernel
-either way, race.py; on a CPU the torch ops; the two in alternating order, since the first
-sampler call after a fill runs slower on a CPU), and advancing the matchers (here on the engine
-thread: one consume_token_par over the rows from 4 rows, else matcher by matcher, as the engine's
-follow jobs consume them with the next step's fill, on its worker from 4 rows, MaskFiller.follow).
-overhead_us_per_step is their sum: what a step pays for its masks.
+through the engine's own MaskFiller and grammar process. Per step it times, all on the engine
+thread: sending the step (or taking the follow job's), its masks (the wait for the grammar process,
+which consumes the last tokens and fills the rows, with nothing to overlap here; the copy into the
+pinned rows and the checks), the sampler with and without the masks (on CUDA one kernel either way,
+race.py; on a CPU the torch ops; the two in alternating order, since the first sampler call after a
+fill runs slower on a CPU), and handing the tokens back (MaskFiller.follow: one message).
+overhead_us_per_step is their sum: what a step pays for its masks when nothing overlaps them.
 --vocab pads the logits (and mask) width to a real model's, since the embedded default model's
 tokenizer has only 8192 tokens. engine: B requests through EngineCore on --model, constrained to a fixed-length
 JSON array vs unconstrained, same tokens each, in alternating rounds; the median step time while
@@ -29,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import llguidance
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,7 +38,7 @@ from moe_serve.engine.config import EngineConfig  # noqa: E402
 from moe_serve.engine.core import EngineCore  # noqa: E402
 from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput  # noqa: E402
 from moe_serve.engine.sampler import SamplingBatch, SamplingRow, sample  # noqa: E402
-from moe_serve.engine.structured import Grammars, MaskFiller, consume_tokens  # noqa: E402
+from moe_serve.engine.structured import Grammars, MaskFiller  # noqa: E402
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "moe_serve" / "models" / "default"
 ARRAY_ITEMS = 48  # the engine run's schema: exactly this many one-digit integers, ~2 tokens each
@@ -67,8 +65,8 @@ def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device
     rows = [SamplingRow(SamplingParams(max_tokens=10**6, temperature=1.0, seed=i), i, ()) for i in range(batch)]
     logits = torch.randn(batch, vocab, device=device)
     sampling = SamplingBatch.build(rows, device)
-    start, fill, masked, plain, advance = [], [], [], [], []
-    for step in range(steps + 1):  # step 0 warms up (first calls, allocations): not timed
+    start, fill, masked, plain, follow = [], [], [], [], []
+    for step in range(steps + 1):  # step 0 warms up (the process started, first calls, allocations): not timed
         sync(device)
         t0 = time.perf_counter()
         pending = filler.pending(matchers, device)
@@ -83,21 +81,19 @@ def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device
         host_bits = mask.bits.cpu()
         chosen = [rng.choice(allowed_ids(host_bits[k])) for k in range(batch)]  # a random allowed path
         t3 = time.perf_counter()
-        # as the engine's follow jobs consume a step's tokens (one call over the rows from the worker's row count)
-        accepted = consume_tokens(filler.executor, [g.matcher for g in matchers], chosen,
-                                  batch >= MaskFiller.ahead_from_rows)
-        complete = [ok and grammar.matcher.is_stopped() for grammar, ok in zip(matchers, accepted)]
+        filler.follow(pending, chosen)  # as the engine hands a step's tokens back
         t4 = time.perf_counter()
-        assert all(accepted), "a token the mask allowed was refused by its grammar"
-        matchers = [grammars.matcher(structured) if done or grammar.matcher.is_accepting() else grammar
-                    for grammar, done in zip(matchers, complete)]  # complete: start the next document
+        if any(grammar.complete_at is not None for grammar in matchers):  # complete: start the next document
+            matchers = [grammars.matcher(structured) if grammar.complete_at is not None else grammar
+                        for grammar in matchers]
         if step == 0:
             continue
         start.append(t1 - t0)
         fill.append(t2 - t0)
         masked.append(sampler_s["masked"])
         plain.append(sampler_s["plain"])
-        advance.append(t4 - t3)
+        follow.append(t4 - t3)
+    filler.close()
     us = 1e6
     med = statistics.median
     apply = med(masked) - med(plain)
@@ -105,8 +101,8 @@ def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device
             "start_us_per_step": med(start) * us,
             "fill_us_per_step": med(fill) * us, "fill_us_per_row": med(fill) * us / batch,
             "sample_masked_us": med(masked) * us, "sample_plain_us": med(plain) * us, "mask_apply_us": apply * us,
-            "advance_us_per_row": med(advance) * us / batch,
-            "overhead_us_per_step": (med(fill) + apply + med(advance)) * us}
+            "follow_us_per_step": med(follow) * us,
+            "overhead_us_per_step": (med(fill) + apply + med(follow)) * us}
 
 
 def bench_engine(model: str, device: str, batch: int) -> dict:

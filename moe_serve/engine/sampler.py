@@ -193,7 +193,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch,
     allowed: gives the grammar masks (moe_serve/engine/structured.py); None when no row is constrained.
     A row's token is chosen among the ones its mask allows; its logprobs are the model's. It is
     called once the work that does not need the masks is queued (the draws' noise, the logprobs):
-    a fill on another thread (structured.FillWorker) runs beside those launches."""
+    the grammar process (moe_serve/engine/grammar_process.py) fills them beside those launches."""
     top = batch.max_logprobs
     if not batch.adjusts_logits and batch.num_sampled == 0 and top is None and allowed is None:
         return SampledTokens(logits.argmax(-1), None, None, None, batch.logprobs)  # greedy only: one argmax

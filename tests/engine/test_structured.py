@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -18,6 +19,7 @@ from moe_serve.engine.config import EngineConfig
 from moe_serve.engine.core import EngineCore, run_to_completion
 from moe_serve.engine.messages import GenerateRequest, SamplingParams, StructuredOutput
 from moe_serve.engine.token_mask import TokenMask
+from moe_serve.engine.grammar_process import GrammarProcess
 from moe_serve.engine.structured import GrammarError, Grammars, MaskFiller, grammar_text
 from tests.engine.test_batching import run_together, tokens
 from tests.server.tiny_tokenizer import build_tiny_tokenizer
@@ -101,11 +103,8 @@ def test_any_json_object(core: EngineCore, tiny_model: Path, temperature: float)
     check_valid(structured, text(tiny_model, done.token_ids))
 
 
-@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
 def test_bad_grammar_and_broken_matcher_fail_only_their_request(core: EngineCore, tiny_model: Path,
-                                                                ahead_from_rows: int,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core.runtime.batch_runner.masks, "ahead_from_rows", ahead_from_rows)
     rejected = core.add_request(constrained("bad", StructuredOutput("regex", "a(b"), 0.0))
     assert rejected is not None and rejected.finish_reason == "error" and "regex" in rejected.error
     good = constrained("good", StructuredOutput("regex", REGEX), 1.0, seed=5)
@@ -113,13 +112,26 @@ def test_bad_grammar_and_broken_matcher_fail_only_their_request(core: EngineCore
     free = GenerateRequest("free", (1, 9, 8), SamplingParams(max_tokens=6, temperature=0))
     for request in (good, broken, free):
         assert core.add_request(request) is None
+    # the mask bypassed: its third token one no choice goes on with, which breaks its matcher
     [hash_sign] = AutoTokenizer.from_pretrained(tiny_model).encode("#", add_special_tokens=False)
-    core.scheduler.find("broken").grammar.matcher.consume_token(hash_sign)  # no choice starts with it
+    follow = core.runtime.batch_runner.masks.follow
+    broken_grammar, its_tokens = core.scheduler.find("broken").grammar, []
+
+    def bypassed(masks, tokens):
+        if broken_grammar in masks.step.grammars:
+            its_tokens.append(None)
+            if len(its_tokens) == 3:
+                tokens = [hash_sign if g is broken_grammar else t for g, t in zip(masks.step.grammars, tokens)]
+        follow(masks, tokens)
+
+    monkeypatch.setattr(core.runtime.batch_runner.masks, "follow", bypassed)
     outputs: dict[str, list] = {"good": [], "broken": [], "free": []}
     while core.has_unfinished():
         for out in core.step():
             outputs[out.request_id].append(out)
     assert outputs["broken"][-1].finish_reason == "error" and "constrained decoding" in outputs["broken"][-1].error
+    assert len(tokens(outputs["broken"])) == 3
+    monkeypatch.undo()
     for request in (good, free):
         assert not outputs[request.request_id][-1].error
         assert tokens(outputs[request.request_id]) == run_to_completion(core, request).token_ids
@@ -168,12 +180,8 @@ def refuse(*args, **kwargs):
     raise AssertionError("a step without a grammar ran the mask path")
 
 
-class RefusingExecutor:
-    unsafe_compute_mask_ptr = refuse
-
-
 def test_a_step_without_a_grammar_skips_the_mask_path(core: EngineCore, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(core.runtime.batch_runner.masks, "executor", RefusingExecutor())
+    monkeypatch.setattr(GrammarProcess, "submit", refuse)
     monkeypatch.setattr(TokenMask, "restrict", refuse)
     reqs = [GenerateRequest(f"free{i}", (1, 9 + i, 8), SamplingParams(max_tokens=6, temperature=t, seed=i))
             for i, t in enumerate((0.0, 1.0, 0.0, 0.7))]
@@ -181,141 +189,117 @@ def test_a_step_without_a_grammar_skips_the_mask_path(core: EngineCore, monkeypa
         assert outs[-1].finish_reason == "length" and not any(o.error for o in outs)
 
 
-@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
-def test_each_filled_row_is_its_matchers_own_mask(tiny_model: Path, ahead_from_rows: int) -> None:
-    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+@pytest.fixture(scope="module")
+def grammars(tiny_model: Path) -> Grammars:
+    return Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+
+
+def test_each_filled_row_is_its_matchers_own_mask(grammars: Grammars) -> None:
+    """A first step's rows, then the follow job's, after the tokens sampled (the last each row allows)."""
     matchers = [grammars.matcher(s) for s in STRUCTURED]
-    [brace] = AutoTokenizer.from_pretrained(tiny_model).encode("{", add_special_tokens=False)
-    matchers[0].matcher.consume_token(brace)
-    rows = [matchers[0], None, *matchers[1:], None]
-    filler = MaskFiller()
-    filler.ahead_from_rows = ahead_from_rows
-    assert_own_rows(filler.pending(rows, torch.device("cpu")), rows)
+    rows, cpu, filler = [matchers[0], None, *matchers[1:], None], torch.device("cpu"), MaskFiller()
+    masks = filler.pending(rows, cpu)
+    bits = assert_own_rows(grammars, masks, rows, {})
+    tokens = [last_allowed(row) for row in bits]
+    filler.follow(masks, tokens)
+    assert_own_rows(grammars, filler.pending(rows, cpu), rows, {g: [t] for g, t in zip(rows, tokens)})
+    filler.close()
 
 
-class FailingExecutor:
-    def unsafe_compute_mask_ptr(self, *args) -> None:
-        raise RuntimeError("fill failed")
-
-
-def test_a_fill_that_fails_on_the_worker_raises_where_its_masks_are_asked_for(tiny_model: Path) -> None:
-    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
-    filler = MaskFiller()
-    filler.ahead_from_rows = 1
-    filler.executor = FailingExecutor()
-    masks = filler.pending([grammars.matcher(STRUCTURED[0])], torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="fill failed"):
-        masks.result()
-    del filler.executor  # the worker goes on: the next step's fill is its own
-    rows = [grammars.matcher(STRUCTURED[1])]
-    assert_own_rows(filler.pending(rows, torch.device("cpu")), rows)
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_the_kept_buffer_leaves_no_row_of_an_earlier_step(tiny_model: Path, device: str) -> None:
-    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+def test_the_kept_buffer_leaves_no_row_of_an_earlier_step(grammars: Grammars) -> None:
     matchers = [grammars.matcher(s) for s in STRUCTURED * 2]
     filler = MaskFiller()
     # every row constrained (no row set to ones first); then rows whose grammar left; then a larger batch
     for rows in (matchers[:3], [None, matchers[3], None], [*matchers[:4], None, *matchers[4:]]):
-        assert_own_rows(filler.pending(rows, torch.device(device)), rows)
+        assert_own_rows(grammars, filler.pending(rows, torch.device("cpu")), rows, {})
+    filler.close()
 
 
-@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
-def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(tiny_model: Path,
-                                                                         ahead_from_rows: int) -> None:
-    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(grammars: Grammars) -> None:
     matchers = [grammars.matcher(s) for s in STRUCTURED]
-    rows, cpu = [matchers[0], None, *matchers[1:]], torch.device("cpu")
-    filler = MaskFiller()
-    filler.ahead_from_rows = ahead_from_rows
-    inline = ahead_from_rows > len(matchers)
+    rows, cpu, filler = [matchers[0], None, *matchers[1:]], torch.device("cpu"), MaskFiller()
     masks = filler.pending(rows, cpu)
-    assert masks is not None
-    bits = masks.result().bits
-    # the last allowed token of each row (the unconstrained row's: any)
-    tokens = [int(torch.signbit(row.unsqueeze(-1) << torch.arange(31, -1, -1, dtype=torch.int32)).flatten()
-                  .nonzero().max()) for row in bits]
+    tokens = [last_allowed(row) for row in masks.result().bits]
     filler.follow(masks, tokens)
     following = filler.pending(rows, cpu)  # the same rows: the follow job's fill, after it consumed the tokens
     assert following is not None and following.tokens == [tokens[i] for i, _ in masks.step.rows]
-    if inline:  # consumed by the fill the next step asks for (its forward queued), not before
-        assert [g.consumed for g in matchers] == [0] * len(matchers)
-    assert_own_rows(following, rows)
-    assert [g.consumed for g in matchers] == [1] * len(matchers)
+    assert_own_rows(grammars, following, rows, {g: [t] for g, t in zip(rows, tokens)})
     filler.follow(following, [5] * len(rows))  # refused by some grammars: their next fill reports it
     reordered = [rows[2], rows[0], None, rows[3]]  # a changed batch: filled again, after the tokens are consumed
     with pytest.raises(GrammarError, match="constrained decoding failed"):
         filler.pending(reordered, cpu).result()
-    assert [g.consumed for g in matchers] == [2] * len(matchers)
+    filler.close()
 
 
-def test_an_inline_follow_job_is_consumed_by_a_settle_or_a_step_without_its_rows(tiny_model: Path) -> None:
+def test_a_settle_or_a_step_without_its_rows_reads_the_consumed_tokens(grammars: Grammars,
+                                                                       tiny_model: Path) -> None:
     """A sequence that ends by length settles its grammar at once; a step that leaves a sequence out (or has
-    no constrained row) still consumes its token before any fill reads a matcher."""
-    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    no constrained row) still learns what its tokens did: here, each completes its grammar."""
+    [a] = AutoTokenizer.from_pretrained(tiny_model).encode("a", add_special_tokens=False)
     cpu = torch.device("cpu")
     for ending in ("settle", "other rows", "no rows"):
-        matchers = [grammars.matcher(StructuredOutput("regex", "ab+")) for _ in range(2)]
+        matchers = [grammars.matcher(StructuredOutput("regex", "a")) for _ in range(2)]
         filler = MaskFiller()
         masks = filler.pending(matchers, cpu)
         masks.result()
-        [a] = tokenizer.encode("a", add_special_tokens=False)
         filler.follow(masks, [a, a])
-        assert [g.consumed for g in matchers] == [0, 0]
         if ending == "settle":
             matchers[0].settle()
         elif ending == "other rows":
-            assert_own_rows(filler.pending([matchers[1]], cpu), [matchers[1]])
+            filler.pending([matchers[1]], cpu).result()
         else:
             assert filler.pending([None, None], cpu) is None
-        assert [g.consumed for g in matchers] == [1, 1], ending
-        assert not matchers[1].matcher.is_error() and matchers[1].matcher.compute_bitmask() != \
-            grammars.matcher(StructuredOutput("regex", "ab+")).matcher.compute_bitmask()
+            matchers[1].settle()
+        assert [g.complete_within(1) for g in matchers] == [True, True], ending
+        filler.close()
 
 
-class FailingConsume:
-    def consume_token_par(self, *args) -> None:
-        raise RuntimeError("consume failed")
+def test_a_refused_token_fails_only_its_own_matcher(grammars: Grammars) -> None:
+    matchers = [grammars.matcher(s) for s in STRUCTURED[:2]]
+    filler, cpu = MaskFiller(), torch.device("cpu")
+    masks = filler.pending(matchers, cpu)
+    bits = masks.result().bits
+    refused = int((bits[0] == 0).nonzero()[0]) * 32  # 32 tokens the first grammar refuses
+    filler.follow(masks, [refused, last_allowed(bits[1])])
+    with pytest.raises(GrammarError, match="constrained decoding failed"):  # the step retries alone
+        filler.pending(matchers, cpu).result()
+    with pytest.raises(GrammarError, match="constrained decoding failed"):
+        filler.pending(matchers[:1], cpu).result()
+    assert_own_rows(grammars, filler.pending(matchers[1:], cpu), matchers[1:], {matchers[1]: [last_allowed(bits[1])]})
+    filler.close()
 
 
-def test_an_engines_close_ends_its_grammar_worker(tiny_model: Path) -> None:
+def test_a_grammar_process_that_ends_fails_its_matchers_and_another_starts(grammars: Grammars) -> None:
+    matchers = [grammars.matcher(s) for s in STRUCTURED[:2]]
+    filler, cpu = MaskFiller(), torch.device("cpu")
+    filler.pending(matchers, cpu).result()
+    ended = filler.process
+    ended.child.kill()
+    ended.child.wait()
+    with pytest.raises(GrammarError, match="grammar process ended"):
+        filler.pending(matchers, cpu).result()
+    for matcher in matchers:
+        with pytest.raises(GrammarError, match="grammar process ended"):
+            filler.pending([matcher], cpu).result()
+    later = [grammars.matcher(s) for s in STRUCTURED[2:]]
+    assert_own_rows(grammars, filler.pending(later, cpu), later, {})
+    assert filler.process is not ended
+    filler.close()
+
+
+def test_an_engines_close_ends_its_grammar_process(tiny_model: Path) -> None:
     engine = EngineCore(EngineConfig(model=str(tiny_model)))
-    engine.close()  # no constrained step: no worker was started
+    engine.close()  # no constrained step: no process was started
     engine = EngineCore(EngineConfig(model=str(tiny_model)))
     reqs = [constrained(f"w{i}", STRUCTURED[i % 2], 1.0, seed=i) for i in range(4)]
     assert all(outs[-1].finish_reason == "stop" for outs in run_together(engine, reqs).values())
-    masks = engine.runtime.batch_runner.masks
-    assert "worker" in masks.__dict__  # started by the steps of 4 constrained rows
-    thread = masks.worker.thread
+    child = engine.runtime.batch_runner.masks.process.child
     engine.close()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
+    assert child.wait(timeout=10) == 0
 
 
-def test_a_consume_that_fails_on_the_worker_fails_each_of_its_sequences(tiny_model: Path) -> None:
-    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
-    matchers = [grammars.matcher(s) for s in STRUCTURED]
-    filler = MaskFiller()
-    masks = filler.pending(matchers, torch.device("cpu"))
-    masks.result()
-    filler.executor = FailingConsume()
-    filler.follow(masks, [5] * len(matchers))
-    with pytest.raises(RuntimeError, match="consume failed"):  # the follow job's masks: the step retries alone
-        filler.pending(matchers, torch.device("cpu")).result()
-    del filler.executor  # llguidance's again
-    for matcher in matchers:  # where each sequence fails, its tokens maybe not consumed
-        with pytest.raises(GrammarError, match="consume failed"):
-            filler.pending([matcher], torch.device("cpu")).result()
-
-
-@pytest.mark.parametrize("ahead_from_rows", [1, 10**9], ids=["fill-worker", "inline"])
-def test_a_grammar_completed_by_the_last_allowed_token_ends_as_stop(core: EngineCore, ahead_from_rows: int,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the worker, the engine learns of the completion a step late (and drops that step's token)."""
-    monkeypatch.setattr(core.runtime.batch_runner.masks, "ahead_from_rows", ahead_from_rows)
+def test_a_grammar_completed_by_the_last_allowed_token_ends_as_stop(core: EngineCore) -> None:
+    """The engine learns of the completion a step late (and drops that step's token)."""
     choice = StructuredOutput("choice", json.dumps(CHOICES))
     whole = run_to_completion(core, constrained("whole", choice, 0.0))
     # no stop token: the grammar alone ends it, one step after it completes, without that step's token
@@ -328,11 +312,22 @@ def test_a_grammar_completed_by_the_last_allowed_token_ends_as_stop(core: Engine
     assert (short.token_ids, short.finish_reason) == (whole.token_ids[:-1], "length")
 
 
-def assert_own_rows(masks, rows: list) -> None:
+def last_allowed(row: torch.Tensor) -> int:
+    """The largest token id a mask row [W] allows."""
+    return int(torch.signbit(row.unsqueeze(-1) << torch.arange(31, -1, -1, dtype=torch.int32)).flatten().nonzero().max())
+
+
+def assert_own_rows(grammars: Grammars, masks, rows: list, consumed: dict) -> torch.Tensor:
+    """Each row of the masks [B, W] is what a matcher of its grammar computes alone after the tokens `consumed`
+    lists for it; returns them."""
     assert masks is not None
     bits = masks.result().bits.cpu()  # [B, W]
     assert bits.shape[0] == len(rows)
     for row, grammar in zip(bits, rows):
-        alone = torch.frombuffer(bytearray(grammar.matcher.compute_bitmask()), dtype=torch.int32) \
-            if grammar is not None else torch.full_like(row, -1)  # a row without a grammar allows every token
-        assert torch.equal(row, alone)
+        if grammar is None:  # a row without a grammar allows every token
+            assert torch.equal(row, torch.full_like(row, -1))
+            continue
+        alone = llguidance.LLMatcher(grammars.tokenizer, grammar.grammar)
+        assert all(alone.consume_token(t) for t in consumed.get(grammar, []))
+        assert torch.equal(row, torch.frombuffer(bytearray(alone.compute_bitmask()), dtype=torch.int32)[:len(row)])
+    return bits

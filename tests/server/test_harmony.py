@@ -7,13 +7,14 @@ import itertools
 from datetime import date
 from pathlib import Path
 
+import llguidance
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_serve.engine.config import ConfigError
 from moe_serve.engine.messages import RequestOutput, SamplingParams, StructuredOutput
-from moe_serve.engine.structured import GrammarError, Grammars
+from moe_serve.engine.structured import Grammars, grammar_text
 from moe_serve.server.choice import ChoiceDecoder, TextOptions
 from moe_serve.server.errors import APIError
 from moe_serve.server.harmony import Harmony, final_answer, forced_call, load_encoding, uses_harmony
@@ -196,14 +197,10 @@ def test_a_stop_string_ends_the_content_not_the_reasoning(harmony: Harmony, toke
 def accepts(grammars: Grammars, tokenizer: Tokenizer, structured: StructuredOutput, text: str) -> bool:
     """Whether the constraint lets the model write text, to its end."""
     grammars.check(structured)
-    matcher = grammars.matcher(structured)
+    matcher = llguidance.LLMatcher(grammars.tokenizer, grammar_text(structured))
     for token in tokenizer.encode(text, add_special_tokens=False):
-        matcher.matcher.consume_token(token)
-    try:
-        matcher.check()
-    except GrammarError:
-        return False
-    return matcher.matcher.is_accepting()
+        matcher.consume_token(token)
+    return not matcher.is_error() and matcher.is_accepting()
 
 
 def test_a_forced_call_lets_the_model_reason_then_call_one_function(grammars: Grammars, tokenizer: Tokenizer) -> None:
