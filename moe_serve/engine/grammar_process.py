@@ -162,23 +162,27 @@ class GrammarProcess:
         self._free: list[int] = []  # ids of matchers collected since the last step
         self._slots: torch.Tensor | None = None  # [SLOTS, slot rows, W] the shared memory
         self._parity = 0  # the next job's slot
-        self._last: tuple[StepGrammars, dict[int, GrammarMatcher]] | None = None  # the rows the process has
+        # the rows the process has: the step, its matchers there by id, the positions of those in its rows
+        self._last: tuple[StepGrammars, dict[int, GrammarMatcher], list[int]] | None = None
         self._send(("tokenizer", *tokenizer_spec))
 
     def submit(self, step: StepGrammars, tokens: list[int] | None) -> Job:
         """Send a step: consume `tokens` (one per constrained row, when given), then fill each
         constrained row's mask."""
         if self._last is not None and self._last[0] is step:  # the rows the process has: only the tokens
-            new, fill, by_id = [], None, self._last[1]
+            new, fill, by_id, live = [], None, self._last[1], self._last[2]
         else:
             new = [(self._register(g), g.grammar) for _, g in step.rows if g.process is None]
-            stale = [g for _, g in step.rows if g.process is not self]  # held by a process that ended
-            for grammar in stale:
-                grammar.failure = grammar.failure or grammar.process.ended
-            self.failed = self.failed or bool(stale)
-            fill = [(g.gid, i) for i, g in step.rows if g.process is self]
-            by_id = {g.gid: g for _, g in step.rows if g.process is self}
-            self._last = step, by_id
+            live = [k for k, (_, g) in enumerate(step.rows) if g.process is self]
+            for _, grammar in step.rows:
+                if grammar.process is not self:  # held by a process that ended
+                    grammar.failure = grammar.failure or grammar.process.ended
+                    self.failed = True
+            fill = [(step.rows[k][1].gid, step.rows[k][0]) for k in live]
+            by_id = {step.rows[k][1].gid: step.rows[k][1] for k in live}
+            self._last = step, by_id, live
+        if tokens is not None and len(live) < len(step.rows):
+            tokens = [tokens[k] for k in live]
         job = Job(by_id, self._slots_for(step.size)[self._parity])
         free, self._free = self._free, []
         self._sent.append(job)
