@@ -5,9 +5,13 @@ and freed matchers are gone. (tests/engine/test_structured.py drives the real pr
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import llguidance
+import psutil
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -79,3 +83,27 @@ def test_freed_matchers_are_gone(grammars: Grammars, tmp_path: Path) -> None:
     host.step([(1, text), (2, text)], [], [(1, 0), (2, 1)], None, 2, 0)
     host.step([], [1], [(2, 0)], None, 1, 1)
     assert set(host.matchers) == set(host.consumed) == {2}
+
+
+def test_the_process_ends_with_an_engine_that_dies_without_closing(tmp_path: Path) -> None:
+    """An engine killed (no close) leaves no grammar process behind: the socket's end is its cue."""
+    build_tiny_tokenizer(tmp_path)
+    script = f"""
+import os, sys, torch
+from transformers import AutoTokenizer
+from moe_serve.engine.messages import StructuredOutput
+from moe_serve.engine.structured import Grammars, MaskFiller
+grammars = Grammars(lambda: AutoTokenizer.from_pretrained({str(tmp_path)!r}))
+filler = MaskFiller()
+filler.pending([grammars.matcher(StructuredOutput("regex", "ab+"))], torch.device("cpu")).result()
+print(filler.process.child.pid, flush=True)
+os._exit(0)
+"""
+    engine = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[2])
+    child = int(engine.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and psutil.pid_exists(child) and \
+            psutil.Process(child).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
