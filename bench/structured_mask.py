@@ -93,7 +93,7 @@ def bench_masks(grammars: Grammars, batch: int, steps: int, device: torch.device
         masked.append(sampler_s["masked"])
         plain.append(sampler_s["plain"])
         follow.append(t4 - t3)
-    filler.close()
+    grammars.close()
     us = 1e6
     med = statistics.median
     apply = med(masked) - med(plain)

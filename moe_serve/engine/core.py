@@ -233,6 +233,7 @@ class EngineCore:
                        kv_cache_usage=self.scheduler.blocks.usage)
 
     def close(self) -> None:
+        self.grammars.close()
         self.runtime.close()
 
 

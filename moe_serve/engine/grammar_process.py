@@ -142,10 +142,10 @@ class Job:
 class GrammarProcess:
     """The engine's side: starts the process, registers matchers with it, sends steps and reads
     their replies (only ever on the engine thread, so the matchers' state needs no lock). If the
-    process ends, each matcher it held fails (GrammarMatcher.failure); MaskFiller starts another
-    for new sequences."""
+    process ends, each matcher it held fails (GrammarMatcher.failure); Grammars starts another for
+    new sequences."""
 
-    def __init__(self, tokenizer_spec: tuple[str, int | None, int | None], width: int) -> None:
+    def __init__(self, tokenizer_spec: tuple[str, int | None, int | None]) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)  # the child imports this package from where the engine did
         root = str(Path(__file__).resolve().parents[2])
@@ -154,7 +154,6 @@ class GrammarProcess:
                                       pass_fds=[theirs.fileno()], env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.width = width  # int32 words a row
         self.ended: str | None = None  # why the process takes no more steps
         self.failed = False  # whether any matcher it held failed: only then are a step's matchers checked
         self._ids = itertools.count()  # matchers'
@@ -183,7 +182,8 @@ class GrammarProcess:
             self._last = step, by_id, live
         if tokens is not None and len(live) < len(step.rows):
             tokens = [tokens[k] for k in live]
-        job = Job(by_id, self._slots_for(step.size)[self._parity])
+        width = (step.rows[0][1].vocab_size + 31) // 32  # int32 words a row
+        job = Job(by_id, self._slots_for(step.size, width)[self._parity])
         free, self._free = self._free, []
         self._sent.append(job)
         self._send(("step", new, free, fill, tokens, step.size, self._parity))
@@ -202,6 +202,7 @@ class GrammarProcess:
 
     def close(self) -> None:
         """The process exits once it has read every step sent before."""
+        self._end("the grammar process was closed")
         self.conn.close()
         try:
             self.child.wait(timeout=10)
@@ -222,20 +223,20 @@ class GrammarProcess:
         self.failed = self.failed or bool(errors)
         job.done = True
 
-    def _slots_for(self, size: int) -> torch.Tensor:
+    def _slots_for(self, size: int, width: int) -> torch.Tensor:
         import torch  # here, not at the top: the process itself imports this module, and needs no torch
 
         if self._slots is None or self._slots.shape[1] < size:
             rows = 1 << max(3, (size - 1).bit_length())  # a power of two: a growing batch remaps a few times
-            length = SLOTS * rows * self.width * 4
+            length = SLOTS * rows * width * 4
             fd = os.memfd_create("moe-serve-masks")
             os.ftruncate(fd, length)
             memory = mmap.mmap(fd, length)
-            self._send(("rows", rows, self.width * 4))
+            self._send(("rows", rows, width * 4))
             if self.ended is None:
                 send_handle(self.conn, fd, self.child.pid)
             os.close(fd)
-            self._slots = torch.frombuffer(memory, dtype=torch.int32).view(SLOTS, rows, self.width)
+            self._slots = torch.frombuffer(memory, dtype=torch.int32).view(SLOTS, rows, width)
         return self._slots
 
     def _send(self, message: tuple) -> None:

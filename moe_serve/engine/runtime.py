@@ -158,7 +158,6 @@ class Runtime:
         }
 
     def close(self) -> None:
-        self.batch_runner.masks.close()
         if self.runner is not None:
             self.runner.close()
         if self.recorder is not None:

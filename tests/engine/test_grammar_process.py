@@ -96,7 +96,7 @@ from moe_serve.engine.structured import Grammars, MaskFiller
 grammars = Grammars(lambda: AutoTokenizer.from_pretrained({str(tmp_path)!r}))
 filler = MaskFiller()
 filler.pending([grammars.matcher(StructuredOutput("regex", "ab+"))], torch.device("cpu")).result()
-print(filler.process.child.pid, flush=True)
+print(grammars.grammar_process.child.pid, flush=True)
 os._exit(0)
 """
     engine = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,

@@ -190,8 +190,10 @@ def test_a_step_without_a_grammar_skips_the_mask_path(core: EngineCore, monkeypa
 
 
 @pytest.fixture(scope="module")
-def grammars(tiny_model: Path) -> Grammars:
-    return Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+def grammars(tiny_model: Path):
+    grammars = Grammars(lambda: AutoTokenizer.from_pretrained(tiny_model))
+    yield grammars
+    grammars.close()
 
 
 def test_each_filled_row_is_its_matchers_own_mask(grammars: Grammars) -> None:
@@ -203,7 +205,6 @@ def test_each_filled_row_is_its_matchers_own_mask(grammars: Grammars) -> None:
     tokens = [last_allowed(row) for row in bits]
     filler.follow(masks, tokens)
     assert_own_rows(grammars, filler.pending(rows, cpu), rows, {g: [t] for g, t in zip(rows, tokens)})
-    filler.close()
 
 
 def test_the_kept_buffer_leaves_no_row_of_an_earlier_step(grammars: Grammars) -> None:
@@ -212,7 +213,6 @@ def test_the_kept_buffer_leaves_no_row_of_an_earlier_step(grammars: Grammars) ->
     # every row constrained (no row set to ones first); then rows whose grammar left; then a larger batch
     for rows in (matchers[:3], [None, matchers[3], None], [*matchers[:4], None, *matchers[4:]]):
         assert_own_rows(grammars, filler.pending(rows, torch.device("cpu")), rows, {})
-    filler.close()
 
 
 def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(grammars: Grammars) -> None:
@@ -228,7 +228,6 @@ def test_a_follow_job_consumes_the_tokens_and_fills_the_next_steps_masks(grammar
     reordered = [rows[2], rows[0], None, rows[3]]  # a changed batch: filled again, after the tokens are consumed
     with pytest.raises(GrammarError, match="constrained decoding failed"):
         filler.pending(reordered, cpu).result()
-    filler.close()
 
 
 def test_a_settle_or_a_step_without_its_rows_reads_the_consumed_tokens(grammars: Grammars,
@@ -251,7 +250,6 @@ def test_a_settle_or_a_step_without_its_rows_reads_the_consumed_tokens(grammars:
             assert filler.pending([None, None], cpu) is None
             matchers[1].settle()
         assert [g.complete_within(1) for g in matchers] == [True, True], ending
-        filler.close()
 
 
 def test_a_refused_token_fails_only_its_own_matcher(grammars: Grammars) -> None:
@@ -266,14 +264,13 @@ def test_a_refused_token_fails_only_its_own_matcher(grammars: Grammars) -> None:
     with pytest.raises(GrammarError, match="constrained decoding failed"):
         filler.pending(matchers[:1], cpu).result()
     assert_own_rows(grammars, filler.pending(matchers[1:], cpu), matchers[1:], {matchers[1]: [last_allowed(bits[1])]})
-    filler.close()
 
 
 def test_a_grammar_process_that_ends_fails_its_matchers_and_another_starts(grammars: Grammars) -> None:
     matchers = [grammars.matcher(s) for s in STRUCTURED[:2]]
     filler, cpu = MaskFiller(), torch.device("cpu")
     filler.pending(matchers, cpu).result()
-    ended = filler.process
+    ended = grammars.grammar_process
     ended.child.kill()
     ended.child.wait()
     with pytest.raises(GrammarError, match="grammar process ended"):
@@ -283,17 +280,17 @@ def test_a_grammar_process_that_ends_fails_its_matchers_and_another_starts(gramm
             filler.pending([matcher], cpu).result()
     later = [grammars.matcher(s) for s in STRUCTURED[2:]]
     assert_own_rows(grammars, filler.pending(later, cpu), later, {})
-    assert filler.process is not ended
-    filler.close()
+    assert grammars.grammar_process is not ended
 
 
 def test_an_engines_close_ends_its_grammar_process(tiny_model: Path) -> None:
     engine = EngineCore(EngineConfig(model=str(tiny_model)))
-    engine.close()  # no constrained step: no process was started
+    assert engine.grammars.grammar_process is None  # no constrained request: no process was started
+    engine.close()
     engine = EngineCore(EngineConfig(model=str(tiny_model)))
     reqs = [constrained(f"w{i}", STRUCTURED[i % 2], 1.0, seed=i) for i in range(4)]
     assert all(outs[-1].finish_reason == "stop" for outs in run_together(engine, reqs).values())
-    child = engine.runtime.batch_runner.masks.process.child
+    child = engine.grammars.grammar_process.child
     engine.close()
     assert child.wait(timeout=10) == 0
 
