@@ -141,7 +141,10 @@ class Grammars:
 
     def check(self, structured: StructuredOutput) -> None:
         """GrammarError with llguidance's message unless the grammar compiles for this tokenizer."""
-        error = llguidance.LLMatcher.validate_grammar(grammar_text(structured), self.tokenizer)
+        self._check_text(grammar_text(structured))
+
+    def _check_text(self, text: str) -> None:
+        error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         if error:
             raise GrammarError(error.strip())
 
@@ -152,7 +155,7 @@ class Grammars:
         first masks, against 2.9 s with the process started by the first step)."""
         text = grammar_text(structured)
         self.live_process()
-        self.check(structured)
+        self._check_text(text)
         return GrammarMatcher(text, self, self.tokenizer.vocab_size)
 
     def live_process(self) -> GrammarProcess:
