@@ -105,9 +105,9 @@ class ModelRunner:
         """Chunk index -> the token sampled after it, from the sampling chunks' logits [S, V]."""
         batch = SamplingBatch.build([SamplingRow(chunks[i].seq.params, chunks[i].seq.seed, chunks[i].seq.output_ids,
                                                  chunks[i].seq.prompt_ids) for i in sampling], self.device)
-        # the masks are waited for (or, with few constrained rows, filled) inside: as late as they can be
+        # the masks are waited for inside, as late as they can be
         tokens, logprobs = sample(logits.float(), batch, None if masks is None else masks.result).to_host()
-        if masks is not None:  # consumed with the next step's fill (on the worker from 4 rows, meanwhile)
+        if masks is not None:  # the grammar process consumes them, then fills the next step's masks meanwhile
             self.masks.follow(masks, tokens)
         return {i: Sampled(token, logprob) for i, token, logprob in zip(sampling, tokens, logprobs)}
 

@@ -57,7 +57,7 @@ def test_json_schema_streamed_equals_whole(client: openai.OpenAI, server: Runnin
 
 
 def test_concurrent_constrained_requests_equal_their_solo_answers(client: openai.OpenAI, server: RunningServer) -> None:
-    """Six at once: steps of 4 or more constrained rows, whose tokens the engine's grammar worker consumes
+    """Six at once: steps of several constrained rows, whose tokens the engine's grammar process consumes
     (learning of a completed grammar a step late): the same answers, streamed or not, as one at a time."""
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema()}}
     kwargs = {"response_format": fmt, "max_tokens": 120, "temperature": 1.0}
