@@ -182,8 +182,7 @@ class GrammarProcess:
             self._last = step, by_id, live
         if tokens is not None and len(live) < len(step.rows):
             tokens = [tokens[k] for k in live]
-        width = (step.rows[0][1].vocab_size + 31) // 32  # int32 words a row
-        job = Job(by_id, self._slots_for(step.size, width)[self._parity])
+        job = Job(by_id, self._slots_for(step.size, step.rows[0][1].mask_words)[self._parity])
         free, self._free = self._free, []
         self._sent.append(job)
         self._send(("step", new, free, fill, tokens, step.size, self._parity))

@@ -76,7 +76,7 @@ class GrammarMatcher:
     def __init__(self, grammar: str, source: Grammars, vocab_size: int) -> None:
         self.grammar = grammar  # llguidance's grammar text, which the grammar process compiles
         self.source = source  # whose grammar process takes it
-        self.vocab_size = vocab_size  # the tokenizer's: the width of this matcher's mask
+        self.mask_words = (vocab_size + 31) // 32  # int32 words of its mask row: a bit a tokenizer token
         self.process: GrammarProcess | None = None  # the one holding its matcher, from its first step
         self.gid = -1  # its matcher's id there
         self.complete_at: int | None = None  # tokens consumed when nothing but EOS could follow any more
@@ -252,11 +252,11 @@ class PendingMasks:
 
 
 class MaskFiller:
-    """Each step's masks, from the grammar process (Grammars.live_process) into one MaskBuffer kept for the engine's life (grown with its largest batch). A
-    step's masks are asked for as it is scheduled; the sampler waits for them as late as it can
-    (sampler.sample). Its tokens go back at once (follow), and the process consumes them and fills
-    the next step's masks while the engine thread writes outputs, schedules and launches the next
-    forward."""
+    """Each step's masks, from the grammar process (Grammars.live_process) into one MaskBuffer kept
+    for the engine's life (grown with its largest batch). A step's masks are asked for as it is
+    scheduled; the sampler waits for them as late as it can (sampler.sample). Its tokens go back at
+    once (follow), and the process consumes them and fills the next step's masks while the engine
+    thread writes outputs, schedules and launches the next forward."""
 
     def __init__(self) -> None:
         self.buffer: MaskBuffer | None = None  # made by the first constrained step
@@ -273,8 +273,7 @@ class MaskFiller:
         if not step.rows:
             return None
         grammar = step.rows[0][1]  # every matcher of an engine shares its tokenizer, and so its process
-        width = (grammar.vocab_size + 31) // 32
-        return PendingMasks(grammar.source.live_process(), step, self._buffer(step.size, width, device))
+        return PendingMasks(grammar.source.live_process(), step, self._buffer(step.size, grammar.mask_words, device))
 
     def follow(self, masks: PendingMasks, tokens: Sequence[int]) -> None:
         """A step's sampled tokens [B] are back: each constrained row's token is consumed, then the masks
